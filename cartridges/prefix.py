@@ -1,0 +1,119 @@
+"""The one place where cartridge rows enter a model: prefix caches, masks and positions.
+
+Rows are already in cache space (post q/k-norm, post-RoPE at 0..p-1), so they go
+straight into a fresh `DynamicCache`; real tokens then run at positions p, p+1, ...
+under an explicit 4-D mask in which every real token sees every prefix row and is
+causal among real tokens of its own segment (packing) that are not padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from cartridges.models import backbone, cache_keyword
+
+Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer ([H, p, d] keys, values)
+
+
+def read_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) of a cache, `[B, H, T, d]`, across cache API versions."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+
+
+def prefix_cache(rows: Rows, batch: int = 1) -> DynamicCache:
+    """A fresh cache pre-filled with the prefix rows, broadcast over the batch."""
+    data = [
+        (k.unsqueeze(0).expand(batch, -1, -1, -1), v.unsqueeze(0).expand(batch, -1, -1, -1))
+        for k, v in rows
+    ]
+    return DynamicCache(ddp_cache_data=data)
+
+
+def prefix_length(rows: Rows) -> int:
+    return int(rows[0][0].shape[1]) if len(rows) else 0
+
+
+def layout(
+    p: int,
+    input_shape: tuple[int, int],
+    attention_mask: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions `[B, L]` and an allowed-attention matrix `[B, L, p + L]` (bool).
+
+    Segments restart their positions at p (packing); padding (mask 0 or segment -1)
+    is never attended to. Every token sees all p prefix rows.
+    """
+    batch, length = input_shape
+    if segment_ids is None:
+        segment_ids = torch.zeros(batch, length, dtype=torch.long, device=device)
+    if attention_mask is not None:
+        segment_ids = torch.where(attention_mask.bool(), segment_ids, -1)
+    valid = segment_ids >= 0
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
+    allowed = same & causal & valid[:, :, None] & valid[:, None, :]
+    positions = (same & causal).sum(-1) - 1 + p
+    positions = torch.where(valid, positions, p)
+    prefix = torch.ones(batch, length, p, dtype=torch.bool, device=segment_ids.device)
+    return positions, torch.cat([prefix, allowed], dim=-1)
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, 1, Q, K]` float mask (0 allowed, dtype min elsewhere) readable by eager and sdpa."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask.unsqueeze(1)
+
+
+def forward_behind(
+    model: torch.nn.Module,
+    rows: Rows,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    segment_ids: torch.Tensor | None = None,
+    logits: bool = False,
+    use_cache: bool = False,
+):
+    """Run real tokens behind prefix rows in a fresh cache.
+
+    Returns final-norm hidden states `[B, L, D]` (or logits with `logits=True`) and
+    the cache, which holds the prefix plus these tokens for decoding to continue.
+    """
+    batch, length = input_ids.shape
+    p = prefix_length(rows)
+    positions, allowed = layout(p, (batch, length), attention_mask, segment_ids, input_ids.device)
+    dtype = next(model.parameters()).dtype
+    cache = prefix_cache(rows, batch) if p else DynamicCache()
+    target = model if logits else backbone(model)
+    out = target(
+        input_ids=input_ids,
+        attention_mask=additive_mask(allowed, dtype),
+        position_ids=positions,
+        use_cache=True,
+        **{cache_keyword(target): cache},
+    )
+    result = out.logits if logits else out.last_hidden_state
+    return (result, cache) if use_cache else result
+
+
+@torch.no_grad()
+def capture_rows(model: torch.nn.Module, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The model's own cache rows for a token sequence `[T]`: per layer `[H, T, d]`."""
+    cache = DynamicCache()
+    target = backbone(model)
+    target(input_ids=input_ids.view(1, -1), use_cache=True, **{cache_keyword(target): cache})
+    return [(k[0].detach().clone(), v[0].detach().clone()) for k, v in read_cache(cache)]
+
+
+def probe_geometry(model: torch.nn.Module) -> list[list[int]]:
+    """Per-layer `[kv_heads_k, head_dim_k, kv_heads_v, head_dim_v]`, read off a real cache."""
+    device = next(model.parameters()).device
+    rows = capture_rows(model, torch.zeros(1, dtype=torch.long, device=device))
+    return [[k.shape[0], k.shape[2], v.shape[0], v.shape[2]] for k, v in rows]

@@ -1,0 +1,237 @@
+"""Typed stage configs with their defaults in one place.
+
+Configs are frozen so a stage cannot mutate what was fingerprinted, and they
+validate on construction so a bad value fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, ClassVar, Self
+
+SEED_TYPES: tuple[str, ...] = (
+    "structuring", "summarization", "question", "use_case", "creative", "mechanism", "verbatim",
+)
+INITS: tuple[str, ...] = ("corpus", "random")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field and the value."""
+
+
+def _bad(cfg: object, name: str, why: str) -> ConfigError:
+    value = getattr(cfg, name)
+    return ConfigError(f"{type(cfg).__name__}.{name}: {why} (got {value!r})")
+
+
+class _Config:
+    """Shared behaviour: type coercion, validation hook, dict round trip."""
+
+    VERSION: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            fixed = _coerce(self, f.name, hints[f.name], value)
+            if fixed is not value:
+                object.__setattr__(self, f.name, fixed)
+        self.validate()
+
+    def validate(self) -> None:
+        """Subclasses raise ConfigError here; types are already checked."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe, key-sorted dict; the form that gets fingerprinted."""
+        out: dict[str, Any] = {}
+        for f in sorted(dataclasses.fields(self), key=lambda f: f.name):  # type: ignore[arg-type]
+            out[f.name] = _jsonable(getattr(self, f.name))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """Build from a dict such as ``to_dict()`` produced; unknown keys are an error."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{cls.__name__}: expected a mapping, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"{cls.__name__}: unknown field(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(names))}"
+            )
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> Self:
+        """A validated copy with ``changes`` applied."""
+        names = {f.name for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ConfigError(f"{type(self).__name__}: unknown field(s) {', '.join(unknown)}")
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, _Config):
+        return value.to_dict()
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _coerce(cfg: object, name: str, hint: Any, value: Any) -> Any:
+    """Check a field against its annotation; accept int for float and list for tuple."""
+    if isinstance(hint, type) and issubclass(hint, _Config):
+        if isinstance(value, hint):
+            return value
+        if isinstance(value, dict):
+            try:
+                return hint.from_dict(value)
+            except ConfigError as e:
+                raise ConfigError(f"{type(cfg).__name__}.{name}: {e}") from e
+        raise _bad(cfg, name, f"expected {hint.__name__} or a mapping")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _bad(cfg, name, "expected a bool")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(cfg, name, "expected an int")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _bad(cfg, name, "expected a number")
+        if not math.isfinite(value):
+            raise _bad(cfg, name, "expected a finite number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise _bad(cfg, name, "expected a string")
+        return value
+    if typing.get_origin(hint) is tuple:
+        if isinstance(value, str) or not isinstance(value, tuple | list):
+            raise _bad(cfg, name, "expected a list of strings")
+        if not all(isinstance(v, str) for v in value):
+            raise _bad(cfg, name, "expected a list of strings")
+        return tuple(value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class IngestConfig(_Config):
+    max_bytes: int = 16 * 1024 * 1024
+    extensions: tuple[str, ...] = (".md", ".txt")
+
+    def validate(self) -> None:
+        if self.max_bytes < 1:
+            raise _bad(self, "max_bytes", "must be >= 1")
+        if not self.extensions:
+            raise _bad(self, "extensions", "must not be empty")
+        if not all(e.startswith(".") and len(e) > 1 for e in self.extensions):
+            raise _bad(self, "extensions", "each extension must look like '.md'")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig(_Config):
+    conversations: int = 64
+    heldout: int = 8
+    chunk_min: int = 256
+    chunk_max: int = 512
+    seed: int = 7
+    seed_types: tuple[str, ...] = SEED_TYPES
+
+    def validate(self) -> None:
+        if self.conversations < 1:
+            raise _bad(self, "conversations", "must be >= 1")
+        if self.heldout < 0:
+            raise _bad(self, "heldout", "must be >= 0")
+        if self.chunk_min < 16:
+            raise _bad(self, "chunk_min", "must be >= 16")
+        if self.chunk_max < self.chunk_min:
+            raise _bad(self, "chunk_max", f"must be >= chunk_min ({self.chunk_min})")
+        if self.seed < 0:
+            raise _bad(self, "seed", "must be >= 0")
+        if not self.seed_types:
+            raise _bad(self, "seed_types", "must not be empty")
+        unknown = [s for s in self.seed_types if s not in SEED_TYPES]
+        if unknown:
+            raise _bad(self, "seed_types", f"unknown {unknown}; choose from {list(SEED_TYPES)}")
+        if len(set(self.seed_types)) != len(self.seed_types):
+            raise _bad(self, "seed_types", "contains duplicates")
+
+
+@dataclasses.dataclass(frozen=True)
+class SynthConfig(_Config):
+    max_q: int = 64
+    max_a: int = 160
+    temperature_a: float = 0.6
+    gen_batch: int = 16
+    seed: int = 7
+    filter: bool = True
+
+    def validate(self) -> None:
+        for name in ("max_q", "max_a", "gen_batch"):
+            if getattr(self, name) < 1:
+                raise _bad(self, name, "must be >= 1")
+        if not 0 < self.temperature_a <= 2:
+            raise _bad(self, "temperature_a", "must be in (0, 2]")
+        if self.seed < 0:
+            raise _bad(self, "seed", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherConfig(_Config):
+    top_k: int = 20
+    top_mass: float = 0.99
+    batch: int = 8
+
+    def validate(self) -> None:
+        if not 1 <= self.top_k <= 1000:
+            raise _bad(self, "top_k", "must be in [1, 1000]")
+        if not 0 < self.top_mass <= 1:
+            raise _bad(self, "top_mass", "must be in (0, 1]")
+        if self.batch < 1:
+            raise _bad(self, "batch", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(_Config):
+    p: int = 256
+    frozen: int = 1
+    lr: float = 2e-3
+    accum: int = 4
+    epochs: int = 1
+    init: str = "corpus"
+    pack: bool = True
+    checkpoint: bool = False
+    save_every: int = 0
+    seed: int = 7
+
+    def validate(self) -> None:
+        if self.p < 1:
+            raise _bad(self, "p", "must be >= 1")
+        if not 0 <= self.frozen < self.p:
+            raise _bad(self, "frozen", f"must be in [0, p) with p={self.p}")
+        if self.lr <= 0:
+            raise _bad(self, "lr", "must be > 0")
+        if self.accum < 1:
+            raise _bad(self, "accum", "must be >= 1")
+        if self.epochs < 1:
+            raise _bad(self, "epochs", "must be >= 1")
+        if self.init not in INITS:
+            raise _bad(self, "init", f"must be one of {list(INITS)}")
+        if self.save_every < 0:
+            raise _bad(self, "save_every", "must be >= 0 (0 disables)")
+        if self.seed < 0:
+            raise _bad(self, "seed", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig(_Config):
+    ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig)
+    chunks: ChunkConfig = dataclasses.field(default_factory=ChunkConfig)
+    synth: SynthConfig = dataclasses.field(default_factory=SynthConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)

@@ -1,0 +1,74 @@
+"""Atomic file writes: a reader sees the old file or the whole new one, never a torn one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not every platform can open a directory.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_temp(path: Path) -> bool:
+    """True for the in-progress files ``atomic_path`` creates (hidden, ``.tmp``)."""
+    return path.name.startswith(".") and path.name.endswith(TMP_SUFFIX)
+
+
+@contextmanager
+def atomic_path(path: Path | str) -> Iterator[Path]:
+    """Yield a temp path beside ``path``; on success it replaces ``path``, on error it is removed.
+
+    The temp file sits in the same directory so ``os.replace`` is a same-filesystem
+    rename. Both the file and the directory are fsynced so a crash right after the
+    rename cannot leave an empty file behind.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=TMP_SUFFIX, dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(target.parent)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_json_atomic(path: Path | str, obj: Any) -> Path:
+    text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    return atomic_write_bytes(path, (text + "\n").encode("utf-8"))

@@ -1,0 +1,26 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    """The embedded default model (converted once by `make setup`)."""
+    from cartridges.models import load_model
+
+    return load_model(None, "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama saved as a local HF directory (exercises directory loading)."""
+    from tests.tiny import tiny_llama
+
+    lm = tiny_llama()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return path
