@@ -7,7 +7,12 @@ STAMP := $(VENV)/.installed
 CORPUS ?= docs/corpus/deflate.md
 P ?= 256
 
-.PHONY: setup demo test lint equiv clean
+CONVERSATIONS ?=
+Q ?= SELECT seed_type, count(*) AS n FROM conversations GROUP BY 1 ORDER BY 1
+DEMO_CORPUS ?= README.md docs
+DEMO_CARTRIDGE ?= artifacts/demo.safetensors
+
+.PHONY: setup demo test lint equiv cartridge sql bench-synth clean
 
 setup: $(STAMP)
 
@@ -21,9 +26,22 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: setup
-	@echo "demo: equivalence gate of an untrained corpus-init cartridge on $(CORPUS)"
-	$(BIN)/cartridges equiv --corpus $(CORPUS) --p $(P) --suffix-max 128
-	$(BIN)/cartridges equiv --corpus $(CORPUS) --p $(P) --suffix-max 128 --parts 2
+	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128
+	$(BIN)/cartridges train --preset demo $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
+	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
+		--question "What does make demo do?" --max-new 64
+	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
+		--question "What is a cartridge?" --max-new 64
+
+cartridge: setup
+	$(BIN)/cartridges train --corpus $(CORPUS) --p $(P) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
+		--save artifacts/$(notdir $(basename $(CORPUS))).safetensors
+
+sql: setup
+	$(BIN)/cartridges sql "$(Q)"
+
+bench-synth: setup
+	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --json
 
 equiv: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p $(P) --suffix-max 128

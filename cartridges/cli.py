@@ -69,6 +69,169 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+# CLI option -> (config section, field, type). One table so train and stage agree.
+PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
+    ("--conversations", "chunks", "conversations", int),
+    ("--heldout", "chunks", "heldout", int),
+    ("--chunk-min", "chunks", "chunk_min", int),
+    ("--chunk-max", "chunks", "chunk_max", int),
+    ("--max-q", "synth", "max_q", int),
+    ("--max-a", "synth", "max_a", int),
+    ("--temperature-a", "synth", "temperature_a", float),
+    ("--gen-batch", "synth", "gen_batch", int),
+    ("--top-k", "teacher", "top_k", int),
+    ("--top-mass", "teacher", "top_mass", float),
+    ("--p", "train", "p", int),
+    ("--frozen", "train", "frozen", int),
+    ("--lr", "train", "lr", float),
+    ("--accum", "train", "accum", int),
+    ("--epochs", "train", "epochs", int),
+    ("--init", "train", "init", str),
+    ("--save-every", "train", "save_every", int),
+]
+STAGES = ("ingest", "chunks", "synthesize", "teacher", "train")
+
+
+def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--corpus", action="append", help="text file or directory (repeatable)")
+    parser.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
+    parser.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
+    for flag, section, field, kind in PIPELINE_OPTIONS:
+        parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}")
+    parser.add_argument("--seed", type=int, default=None, help="seed for chunk plan, sampling and order")
+    parser.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
+    parser.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
+    parser.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
+
+
+def pipeline_config(args: argparse.Namespace):
+    from schemas.presets import preset
+
+    overrides: dict[str, dict] = {}
+    for _flag, section, field, _kind in PIPELINE_OPTIONS:
+        value = getattr(args, f"{section}__{field}")
+        if value is not None:
+            overrides.setdefault(section, {})[field] = value
+    if args.seed is not None:
+        for section in ("chunks", "synth", "train"):
+            overrides.setdefault(section, {})["seed"] = args.seed
+    if args.no_filter:
+        overrides.setdefault("synth", {})["filter"] = False
+    if args.no_pack:
+        overrides.setdefault("train", {})["pack"] = False
+    if args.checkpoint:
+        overrides.setdefault("train", {})["checkpoint"] = True
+    return preset(args.preset, overrides)
+
+
+def require_corpus(args: argparse.Namespace) -> list[str]:
+    if not args.corpus:
+        raise CartridgeError("--corpus is required (a text file or a directory of .md/.txt files)")
+    return args.corpus
+
+
+@command("train")
+def cmd_train(args: argparse.Namespace) -> int:
+    from stages.report import summary_lines
+
+    corpus = require_corpus(args)
+    cfg = pipeline_config(args)
+    force = list(STAGES) if args.force_all else (args.force or [])
+    if args.no_prefect:
+        from cartridges.models import load_model
+        from stages.pipeline import run_pipeline
+        from storage import Store
+
+        summary = run_pipeline(Store(args.store), load_model(args.model, args.device), corpus, cfg,
+                               save=args.save, force=tuple(force))
+    else:
+        from flows.cartridge import cartridge_flow
+
+        summary = cartridge_flow(corpus=[str(c) for c in corpus], config=cfg.to_dict(), model=args.model,
+                                 device=args.device, store_root=args.store, save=args.save, force=force)
+    losses = summary.get("losses") or []
+    for i, loss in enumerate(losses):
+        print(f"step {i:4d}  loss {loss:.4f}")
+    for line in summary_lines(summary):
+        print(line)
+    emit_json(args, summary)
+    return 0
+
+
+@command("stage")
+def cmd_stage(args: argparse.Namespace) -> int:
+    from cartridges.models import fingerprint_id, load_model
+    from stages import chunks, ingest, synthesize, teacher, train
+    from storage import Store
+
+    store = Store(args.store)
+    cfg = pipeline_config(args)
+
+    def latest(stage: str):
+        art = store.latest(stage)
+        if art is None:
+            raise CartridgeError(f"stage {args.name} needs a complete '{stage}' artifact; run that stage first")
+        return art
+
+    lm = load_model(args.model, args.device)  # every stage needs at least its tokenizer
+    mid = fingerprint_id(lm.fingerprint)
+    if args.name == "ingest":
+        res = ingest.run(store, require_corpus(args), lm.tokenizer, cfg.ingest, tokenizer_id=mid, force=args.force_stage)
+    elif args.name == "chunks":
+        res = chunks.run(store, latest("ingest"), lm.tokenizer, cfg.chunks, force=args.force_stage, tokenizer_id=mid)
+    elif args.name == "synthesize":
+        res = synthesize.run(store, lm, latest("ingest"), latest("chunks"), cfg.synth, model_id=mid, force=args.force_stage)
+    elif args.name == "teacher":
+        res = teacher.run(store, lm, latest("synthesize"), cfg.teacher, model_id=mid, force=args.force_stage)
+    else:
+        res = train.run(store, lm, latest("ingest"), latest("synthesize"), latest("teacher"), cfg.train,
+                        model_id=mid, force=args.force_stage)
+    state = "skipped (unchanged)" if res.skipped else "done"
+    print(f"{args.name}: {state}; artifact {res.id}, {res.rows} rows, {store.dir(res)}")
+    emit_json(args, {"stage": args.name, "artifact": res.id, "skipped": res.skipped, "rows": res.rows,
+                     "path": str(store.dir(res))})
+    return 0
+
+
+@command("runs")
+def cmd_runs(args: argparse.Namespace) -> int:
+    from storage import Store, format_table
+
+    store = Store(args.store)
+    runs = store.catalog.runs()
+    print(format_table(["run_id", "flow", "status", "started_at", "finished_at"],
+                       [(r["run_id"], r["flow"], r["status"], r["started_at"], r["finished_at"]) for r in runs]))
+    arts = store.catalog.artifacts()
+    print()
+    print(format_table(["artifact", "stage", "status", "rows", "seconds", "run_id"],
+                       [(a.id, a.stage, a.status, a.rows, f"{a.seconds or 0:.1f}", a.run_id) for a in arts]))
+    emit_json(args, {"runs": runs, "artifacts": [{"id": a.id, "stage": a.stage, "status": a.status, "rows": a.rows} for a in arts]})
+    return 0
+
+
+@command("sql")
+def cmd_sql(args: argparse.Namespace) -> int:
+    from storage import Store, format_table, query
+
+    store = Store(args.store, read_only=True)
+    columns, rows = query(store.root, args.query)
+    print(format_table(columns, rows))
+    emit_json(args, {"columns": columns, "rows": [list(r) for r in rows]})
+    return 0
+
+
+@command("ask")
+def cmd_ask(args: argparse.Namespace) -> int:
+    from cartridges.ask import ask_arms
+
+    results = ask_arms(args.model, args.device, args.cartridge or [], args.question, args.corpus or [], args.max_new)
+    for arm in results:
+        print(f"--- {arm['arm']}: {arm['kv_rows']} KV rows, time to first token {arm['ttft_s'] * 1000:.0f} ms")
+        print(arm["answer"])
+    emit_json(args, {"question": args.question, "arms": results})
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cartridges", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +246,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("model", help="load a model (converting the default once) and show its fingerprint")
     add_model_args(p)
+    add_common(p)
+
+    p = sub.add_parser("train", help="run the cartridge flow: corpus -> trained cartridge")
+    add_model_args(p)
+    add_pipeline_args(p)
+    p.add_argument("--save", default=None, help="copy the trained cartridge to this path")
+    p.add_argument("--force", action="append", choices=STAGES, help="recompute this stage despite a fingerprint hit")
+    p.add_argument("--force-all", action="store_true", help="recompute every stage")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run (the default: finished shards and checkpoints are kept)")
+    p.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow run")
+    add_common(p)
+
+    p = sub.add_parser("stage", help="run one stage against the latest complete upstream artifacts")
+    p.add_argument("name", choices=STAGES)
+    add_model_args(p)
+    add_pipeline_args(p)
+    p.add_argument("--force", action="store_true", dest="force_stage", help="recompute despite a fingerprint hit")
+    add_common(p)
+
+    p = sub.add_parser("runs", help="list runs and artifacts with their status")
+    p.add_argument("--store", default=None)
+    add_common(p)
+
+    p = sub.add_parser("sql", help="query the catalog: one view per table (latest complete version)")
+    p.add_argument("query")
+    p.add_argument("--store", default=None)
+    add_common(p)
+
+    p = sub.add_parser("ask", help="answer behind cartridge(s), bare, and with the corpus in context")
+    add_model_args(p)
+    p.add_argument("--cartridge", action="append", help="cartridge file (repeat to compose, in order)")
+    p.add_argument("--corpus", action="append", help="corpus for the in-context arm")
+    p.add_argument("--question", "-q", required=True)
+    p.add_argument("--max-new", type=int, default=128)
     add_common(p)
     return parser
 

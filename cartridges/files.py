@@ -132,3 +132,51 @@ def check_fits(cart: Cartridge, fingerprint: dict, source: str = "cartridge") ->
                 f"{source}: made for another model ({key} {made_for[key]} != {fingerprint[key]}; "
                 f"{made_for.get('architecture', '?')} vs {fingerprint['architecture']}, same geometry)"
             )
+
+
+def save_optimizer(path: str | Path, opt: torch.optim.Optimizer, step: int, **meta) -> Path:
+    """Adam moments of every trainable leaf, in leaf order, with the step counter."""
+    tensors: dict[str, torch.Tensor] = {}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    adam_step = 0
+    for i, p in enumerate(params):
+        state = opt.state.get(p, {})
+        if "exp_avg" in state:
+            tensors[f"{i}.exp_avg"] = state["exp_avg"].detach().cpu().contiguous()
+            tensors[f"{i}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
+            adam_step = int(state["step"])
+    header = {
+        "format": "cartridges-optimizer", "format_version": "1", "step": str(step),
+        "adam_step": str(adam_step), "n_params": str(len(params)),
+        "meta": json.dumps(meta, sort_keys=True, default=str), "checksum": _checksum(tensors),
+    }
+    path = Path(path)
+    atomic_write_bytes(path, st_save(tensors, metadata=header))
+    return path
+
+
+def load_optimizer(path: str | Path, opt: torch.optim.Optimizer) -> dict:
+    """Restore moments saved by `save_optimizer`; returns its metadata (step, meta)."""
+    path = Path(path)
+    data = path.read_bytes() if path.is_file() else b""
+    if len(data) < 8:
+        raise CartridgeFileError(f"{path}: missing or truncated optimizer file")
+    (size,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + size]).get("__metadata__", {})
+        tensors = st_load(data)
+    except Exception as exc:
+        raise CartridgeFileError(f"{path}: corrupted optimizer file ({exc})") from exc
+    if header.get("format") != "cartridges-optimizer" or header.get("checksum") != _checksum(tensors):
+        raise CartridgeFileError(f"{path}: not an intact optimizer file (format or checksum mismatch)")
+    params = [p for group in opt.param_groups for p in group["params"]]
+    if int(header["n_params"]) != len(params):
+        raise GeometryError(f"{path}: holds moments for {header['n_params']} leaves, the cartridge has {len(params)}")
+    for i, p in enumerate(params):
+        if f"{i}.exp_avg" in tensors:
+            opt.state[p] = {
+                "step": torch.tensor(float(header["adam_step"])),
+                "exp_avg": tensors[f"{i}.exp_avg"].to(p),
+                "exp_avg_sq": tensors[f"{i}.exp_avg_sq"].to(p),
+            }
+    return {"step": int(header["step"]), "meta": json.loads(header.get("meta", "{}"))}

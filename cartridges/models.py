@@ -246,3 +246,8 @@ def model_fingerprint(model: torch.nn.Module, tokenizer: object) -> dict:
         "tokenizer_hash": _hash(tok_view),
         "weights_hash": hashlib.sha256(sample).hexdigest()[:16],
     }
+
+
+def fingerprint_id(fingerprint: dict) -> str:
+    """A short stable id for a model fingerprint (stages put it in their configs)."""
+    return _hash(fingerprint)

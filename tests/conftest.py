@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -24,3 +26,8 @@ def tiny_model_dir(tmp_path_factory):
     lm.model.save_pretrained(path)
     lm.tokenizer.save_pretrained(path)
     return path
+
+
+# Prefect's ephemeral server logs its shutdown at interpreter exit, after pytest has
+# closed the captured streams; do not print a logging traceback for that.
+logging.raiseExceptions = False

@@ -1,0 +1,208 @@
+"""Lockstep batched generation behind an optional shared cartridge prefix.
+
+A group of streams is prefilled in one left-padded forward and then decoded with one
+forward per step for all streams still running; a stream that stops or reaches its
+budget leaves the batch (its cache rows are dropped) so later steps only pay for the
+streams that remain. Sampling draws from a per-stream generator, so a stream's tokens
+do not depend on which other streams share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cartridges.models import cache_keyword, project
+from cartridges.prefix import Rows, forward_behind, prefix_length, read_cache
+
+
+@dataclass
+class Stream:
+    """One conversation to continue; `prompt` is already chat-rendered token ids."""
+
+    prompt: list[int]
+    max_new: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class Generation:
+    """What a stream produced; margins let callers tell near-ties from real disagreements."""
+
+    tokens: list[int]
+    finished: str
+    min_margin: float = math.inf
+    margins: list[float] = field(default_factory=list)
+
+
+def generate(
+    model: torch.nn.Module,
+    streams: list[Stream],
+    batch_size: int = 16,
+    prefix_rows: Rows | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[Generation]:
+    """Continue every stream (groups of `batch_size`, in order); results in input order."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for i, stream in enumerate(streams):
+        _check(i, stream)
+    rows = list(prefix_rows) if prefix_rows is not None else []
+    results: list[Generation | None] = [None] * len(streams)
+    todo = []
+    for i, stream in enumerate(streams):
+        if stream.max_new <= 0:
+            results[i] = Generation(tokens=[], finished="length", min_margin=math.inf, margins=[])
+        else:
+            todo.append(i)
+    with torch.no_grad():
+        for start in range(0, len(todo), batch_size):
+            idx = todo[start : start + batch_size]
+            for i, gen in zip(idx, _run_group(model, [streams[i] for i in idx], rows, progress), strict=True):
+                results[i] = gen
+    return results  # type: ignore[return-value]
+
+
+def _check(i: int, stream: Stream) -> None:
+    if not stream.prompt:
+        raise ValueError(f"stream {i}: empty prompt (the first token needs a real position to read from)")
+    if stream.temperature < 0 or not math.isfinite(stream.temperature):
+        raise ValueError(f"stream {i}: temperature must be a finite number >= 0, got {stream.temperature}")
+    if not 0.0 < stream.top_p <= 1.0:
+        raise ValueError(f"stream {i}: top_p must be in (0, 1], got {stream.top_p}")
+
+
+def _run_group(
+    model: torch.nn.Module, group: Sequence[Stream], rows: Rows, progress: Callable[[int], None] | None
+) -> list[Generation]:
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    p = prefix_length(rows)
+    batch = len(group)
+    lengths = [len(s.prompt) for s in group]
+    width = max(lengths)
+
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    real = torch.zeros(batch, width, dtype=torch.bool)
+    for r, stream in enumerate(group):
+        ids[r, width - lengths[r] :] = torch.tensor(stream.prompt, dtype=torch.long)
+        real[r, width - lengths[r] :] = True
+    ids, real = ids.to(device), real.to(device)
+
+    hidden, cache = forward_behind(model, rows, ids, attention_mask=real.long(), use_cache=True)
+    # Only the last row of each stream is projected: [B, L, vocab] is never built.
+    logits = project(model, hidden[:, -1])
+    del hidden
+
+    # Key columns each stream may read: all prefix rows and its own real tokens.
+    allowed = torch.cat([torch.ones(batch, p, dtype=torch.bool, device=device), real], dim=1)
+    positions = torch.tensor([p + n for n in lengths], dtype=torch.long, device=device)
+    keyword = cache_keyword(model)
+    generators = [_generator(s, device) for s in group]
+    tokens: list[list[int]] = [[] for _ in group]
+    margins: list[list[float]] = [[] for _ in group]
+    finished = [""] * batch
+    active = list(range(batch))
+
+    while True:
+        chosen = _choose(logits, [group[i] for i in active], [generators[i] for i in active])
+        step_margins = _margins(logits)
+        keep = []
+        for r, i in enumerate(active):
+            token = chosen[r]
+            tokens[i].append(token)
+            margins[i].append(step_margins[r])
+            if token in group[i].stop_ids:
+                finished[i] = "stop"
+            elif len(tokens[i]) >= group[i].max_new:
+                finished[i] = "length"
+            else:
+                keep.append(r)
+        if progress is not None:
+            progress(len(active))
+        if not keep:
+            break
+        if len(keep) < len(active):
+            rows_kept = torch.tensor(keep, dtype=torch.long, device=device)
+            _select_rows(cache, rows_kept)
+            allowed = allowed.index_select(0, rows_kept)
+            positions = positions.index_select(0, rows_kept)
+            active = [active[r] for r in keep]
+        last = torch.tensor([tokens[i][-1] for i in active], dtype=torch.long, device=device)
+        allowed = torch.cat([allowed, allowed.new_ones(len(active), 1)], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        out = model(
+            input_ids=last[:, None],
+            attention_mask=mask[:, None, None, :],
+            position_ids=positions[:, None],
+            use_cache=True,
+            **{keyword: cache},
+        )
+        logits = out.logits[:, -1]
+        positions = positions + 1
+
+    return [
+        Generation(
+            tokens=tokens[i],
+            finished=finished[i],
+            min_margin=min(margins[i], default=math.inf),
+            margins=margins[i],
+        )
+        for i in range(batch)
+    ]
+
+
+def _generator(stream: Stream, device: torch.device) -> torch.Generator | None:
+    if stream.temperature <= 0:
+        return None
+    return torch.Generator(device=device).manual_seed(stream.seed)
+
+
+def _choose(
+    logits: torch.Tensor, streams: Sequence[Stream], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """Greedy rows take the argmax in one batched call; sampled rows draw one by one from
+    their own generator so each draw depends only on that stream."""
+    chosen = logits.argmax(dim=-1).tolist()
+    for r, (stream, gen) in enumerate(zip(streams, generators, strict=True)):
+        if gen is not None:
+            chosen[r] = _sample(logits[r], stream.temperature, stream.top_p, gen)
+    return chosen
+
+
+def _sample(row: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    work = row.to(torch.promote_types(row.dtype, torch.float32)) / temperature
+    probs = torch.softmax(work, dim=-1)
+    if top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    pick = int(torch.multinomial(sorted_probs, 1, generator=gen).item())
+    return int(order[pick].item())
+
+
+def _margins(logits: torch.Tensor) -> list[float]:
+    if logits.shape[-1] < 2:
+        return [math.inf] * logits.shape[0]
+    top = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
+def _select_rows(cache, rows: torch.Tensor) -> None:
+    """Physically drop retired streams from every layer so later steps skip their rows."""
+    if hasattr(cache, "layers"):
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, rows)
+            layer.values = layer.values.index_select(0, rows)
+        return
+    for n, (keys, values) in enumerate(read_cache(cache)):
+        cache.key_cache[n] = keys.index_select(0, rows)
+        cache.value_cache[n] = values.index_select(0, rows)

@@ -1,0 +1,39 @@
+"""The `cartridge` flow: one corpus to one trained cartridge, each stage a Prefect task.
+
+Prefect's own task caching is off (`cache_policy=NONE`): the catalog's fingerprints
+are the one cache. Runs with ephemeral Prefect when no server is configured.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+from prefect.utilities.annotations import quote
+
+from cartridges.models import load_model
+from schemas import PipelineConfig
+from stages.pipeline import run_pipeline
+from stages.report import markdown_summary
+from storage import Store
+
+
+def as_task(fn, *args, **kwargs):
+    """Run one stage function as a Prefect task (arguments passed through untouched)."""
+    name = fn.__module__.rsplit(".", 1)[-1]
+    wrapped = task(fn, name=name, cache_policy=NONE, persist_result=False)
+    return wrapped(*[quote(a) for a in args], **{k: quote(v) for k, v in kwargs.items()})
+
+
+@flow(name="cartridge", log_prints=True)
+def cartridge_flow(
+    corpus: list[str], config: dict | None = None, model: str | None = None, device: str | None = None,
+    store_root: str | None = None, save: str | None = None, force: list[str] | None = None,
+) -> dict:
+    cfg = PipelineConfig.from_dict(config or {})
+    store = Store(store_root)
+    lm = load_model(model, device)
+    summary = run_pipeline(store, lm, corpus, cfg, save=save, force=tuple(force or ()), call=as_task)
+    create_markdown_artifact(markdown=markdown_summary(summary), key="cartridge-summary",
+                             description="cartridge training run")
+    return summary

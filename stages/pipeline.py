@@ -1,0 +1,111 @@
+"""The main job as plain function calls: corpus -> documents -> chunks -> conversations ->
+targets -> trained cartridge -> exported file.
+
+`call` wraps each stage call; the Prefect flow passes a wrapper that runs the stage
+as a task, tests pass none. Every stage is skipped when its fingerprint is already
+complete in the catalog.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from cartridges.models import LoadedModel, fingerprint_id
+from schemas import PipelineConfig
+from stages import chunks, ingest, synthesize, teacher, train
+from storage import Store
+from storage.atomic import atomic_path
+
+Call = Callable[..., Any]
+
+
+def _plain(fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def _bar(total: int, desc: str, unit: str):
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+
+
+def run_pipeline(
+    store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig = PipelineConfig(),
+    save: str | Path | None = None, force: tuple[str, ...] = (), call: Call = _plain,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run every stage (skipping unchanged ones) and return the run summary."""
+    model_id = fingerprint_id(lm.fingerprint)
+    run_id = store.catalog.start_run("cartridge")
+    started = time.perf_counter()
+    try:
+        docs = call(ingest.run, store, corpus, lm.tokenizer, config.ingest, tokenizer_id=model_id,
+                    force="ingest" in force, run_id=run_id)
+        plan = call(chunks.run, store, docs, lm.tokenizer, config.chunks, force="chunks" in force, run_id=run_id,
+                    tokenizer_id=model_id)
+        planned = plan.rows
+        with _bar(None, "self-study", "tok") as bar:
+            convs = call(synthesize.run, store, lm, docs, plan, config.synth, model_id=model_id,
+                         force="synthesize" in force, run_id=run_id, progress=bar.update)
+        with _bar(None, "teacher", "conv") as bar:
+            targets = call(teacher.run, store, lm, convs, config.teacher, model_id=model_id,
+                           force="teacher" in force, run_id=run_id, progress=bar.update)
+        with _bar(None, "train", "step") as bar:
+            def on_step(row: dict) -> None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{row['loss']:.4f}")
+            trained = call(train.run, store, lm, docs, convs, targets, config.train, model_id=model_id,
+                           force="train" in force, run_id=run_id, progress=on_step)
+        summary = summarize(store, docs, plan, convs, trained, planned)
+        summary.update(run_id=run_id, seconds=time.perf_counter() - started,
+                       skipped=[a.stage for a in (docs, plan, convs, targets, trained) if a.skipped])
+        cartridge = store.dir(trained) / train.CARTRIDGE_FILE
+        if save:
+            cartridge = export(cartridge, Path(save))
+        summary["cartridge"] = str(cartridge)
+        store.catalog.finish_run(run_id, "complete", summary)
+        return summary
+    except BaseException as exc:
+        store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
+        raise
+
+
+def export(source: Path, target: Path) -> Path:
+    """Copy the trained cartridge to a user path atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)
+    return target
+
+
+def summarize(store: Store, docs, plan, convs, trained, planned: int) -> dict:
+    """Losses, data quality, coverage and timings of one run."""
+    result = train.summary_of(store, trained)
+    documents = store.table(docs).to_pylist()
+    chunk_rows = store.table(plan).select(["chunk_id", "tokens", "split"]).to_pylist()
+    conv_rows = store.table(convs).select(["seed_type", "split", "a_ok", "b_ok", "a_reason", "b_reason"]).to_pylist()
+    corpus_tokens = sum(d["tokens"] for d in documents)
+    train_chunks = [c for c in chunk_rows if c["split"] == "train"]
+    used = result["train_conversations"]
+    mean_chunk = sum(c["tokens"] for c in train_chunks) / max(1, len(train_chunks))
+    by_seed: dict[str, int] = {}
+    for c in conv_rows:
+        by_seed[c["seed_type"]] = by_seed.get(c["seed_type"], 0) + 1
+    synth_seconds = convs.artifact.seconds or 0.0
+    return {
+        **result,
+        "conversations": used,
+        "planned_conversations": planned,
+        "a_ok_rate": sum(c["a_ok"] for c in conv_rows) / max(1, len(conv_rows)),
+        "b_degenerate_rate": sum((c["a_ok"] and not c["b_ok"]) for c in conv_rows) / max(1, sum(c["a_ok"] for c in conv_rows)),
+        "seed_types": by_seed,
+        "corpus_tokens": corpus_tokens,
+        "coverage": used * mean_chunk / max(1, corpus_tokens),
+        "synth_seconds": synth_seconds,
+        "s_per_conversation": synth_seconds / max(1, len(conv_rows)),
+    }

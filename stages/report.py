@@ -1,0 +1,36 @@
+"""Human-readable run summaries (markdown for Prefect, lines for the terminal)."""
+
+from __future__ import annotations
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def summary_lines(s: dict) -> list[str]:
+    change = None
+    if s.get("heldout_loss_before") and s.get("heldout_loss_after") is not None:
+        change = (s["heldout_loss_after"] - s["heldout_loss_before"]) / s["heldout_loss_before"]
+    return [
+        f"held-out loss {_fmt(s.get('heldout_loss_before'))} -> {_fmt(s.get('heldout_loss_after'))}"
+        + (f" ({change:+.1%})" if change is not None else ""),
+        f"conversations {s['conversations']} used of {s['planned_conversations']} planned "
+        f"(bot A ok {s['a_ok_rate']:.0%}, bot B degenerate {s['b_degenerate_rate']:.0%}); "
+        f"seed types {s['seed_types']}",
+        f"coverage {s['coverage']:.2f} (conversations x mean chunk tokens / {s['corpus_tokens']} corpus tokens)",
+        f"self-study {s['s_per_conversation']:.2f} s/conversation; training {s['steps']} steps, "
+        f"{s['supervised_tokens']} supervised tokens in {s['train_seconds']:.1f}s",
+        f"skipped unchanged stages: {', '.join(s.get('skipped') or []) or 'none'}",
+        f"cartridge: {s.get('cartridge')}",
+    ]
+
+
+def markdown_summary(s: dict) -> str:
+    losses = s.get("losses") or []
+    curve = ", ".join(f"{x:.3f}" for x in losses[:50])
+    body = "\n".join(f"- {line}" for line in summary_lines(s))
+    return f"# Cartridge run {s.get('run_id', '')}\n\n{body}\n\nPer-step loss: {curve}\n"

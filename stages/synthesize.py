@@ -1,0 +1,133 @@
+"""Self-study synthesis: bot A asks about a chunk, bot B answers with the chunk in context.
+
+Both bots are the frozen model. Bot A (temperature, chunk inline, seed-specific
+instruction and assistant prefix) writes one message; degenerate messages are scored
+and dropped before bot B runs. Bot B (greedy, chunk as the system turn) answers; its
+prompt plus its tokens form the teacher sequence byte for byte. The student sequence
+is the same ids with the chunk's system turn cut away (the cartridge takes its place).
+
+Conversations are written in shards of `gen_batch`; a rerun after a crash keeps the
+finished shards and generates only the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
+from cartridges.generate import Stream, generate
+from cartridges.models import LoadedModel
+from cartridges.seeds import SEEDS, bot_a_prompt, clean_question, score_answer, score_message
+from schemas import TABLES, SynthConfig, validate_table
+from storage import StageContext, Store
+from storage.faults import fault_point
+
+NAME = "synthesize"
+VERSION = 1
+
+
+def question_stop_ids(tokenizer) -> tuple[int, ...]:
+    """Ids of tokens that contain a '?': bot A stops at the end of its question."""
+    cached = getattr(tokenizer, "_question_stop_ids", None)
+    if cached is None:
+        vocab = tokenizer.get_vocab()
+        cached = tuple(sorted(i for t, i in vocab.items() if "?" in tokenizer.convert_tokens_to_string([t])))
+        tokenizer._question_stop_ids = cached
+    return cached
+
+
+def chunk_context(chunk: dict, doc_names: dict[int, str], multi: bool, tokenizer) -> str:
+    """The chunk as both bots see it; multi-document corpora name the document."""
+    text = tokenizer.decode(chunk["token_ids"])
+    if multi:
+        return f"Document: {doc_names[chunk['doc_id']]}\n\n{text}"
+    return text
+
+
+def synthesize_group(
+    lm: LoadedModel, chunks: list[dict], contexts: list[str], config: SynthConfig,
+    progress: Callable[[int], None] | None = None,
+) -> list[dict]:
+    """One group of conversations (rows of the `conversations` table), in chunk order."""
+    tok = lm.tokenizer
+    eot = tuple(end_of_turn_ids(tok))
+    a_streams = []
+    for chunk, ctx in zip(chunks, contexts, strict=True):
+        seed = SEEDS[chunk["seed_type"]]
+        stops = eot + (question_stop_ids(tok) if seed.stop_at_question else ())
+        a_streams.append(Stream(
+            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"]), max_new=config.max_q,
+            temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
+        ))
+    a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, progress=progress)
+
+    rows, b_streams, b_index = [], [], []
+    for i, (chunk, ctx, gen) in enumerate(zip(chunks, contexts, a_out, strict=True)):
+        raw = tok.decode([t for t in gen.tokens if t not in eot], skip_special_tokens=True)
+        question = clean_question(raw, chunk["seed_type"])
+        ok, reason = score_message(question, SEEDS[chunk["seed_type"]].instruction)
+        rows.append(_row(chunk, config, question, ok, reason, len(gen.tokens)))
+        if ok or not config.filter:
+            messages = [{"role": "system", "content": ctx}, {"role": "user", "content": question}]
+            b_streams.append(Stream(prompt=chat_ids(tok, messages, add_generation_prompt=True),
+                                    max_new=config.max_a, stop_ids=eot))
+            b_index.append(i)
+    b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress)
+
+    for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
+        row, ctx = rows[i], contexts[i]
+        answer_tokens = list(gen.tokens)
+        text = tok.decode([t for t in answer_tokens if t not in eot], skip_special_tokens=True)
+        answer = strip_think(text)
+        if answer != text.strip():  # marked reasoning removed: supervise the cleaned answer
+            answer_tokens = tok(answer, add_special_tokens=False)["input_ids"] + [eot[0]]
+        teacher = list(stream.prompt) + answer_tokens
+        head = system_ids(tok, ctx)
+        if teacher[: len(head)] != head:
+            raise ValueError("chat template does not render the system turn as a prefix")
+        ok, reason = score_answer(answer, row["question"])
+        row.update(
+            answer=answer, teacher_ids=teacher, student_ids=teacher[len(head):],
+            answer_start=len(stream.prompt), student_answer_start=len(stream.prompt) - len(head),
+            b_ok=ok, b_reason=reason, a_tokens=len(answer_tokens),
+        )
+    return rows
+
+
+def _row(chunk: dict, config: SynthConfig, question: str, ok: bool, reason: str, q_tokens: int) -> dict:
+    return {
+        "conv_id": int(chunk["chunk_id"]), "chunk_id": int(chunk["chunk_id"]), "doc_id": int(chunk["doc_id"]),
+        "seed_type": chunk["seed_type"], "split": chunk["split"], "question": question, "answer": "",
+        "teacher_ids": [], "student_ids": [], "answer_start": 0, "student_answer_start": 0,
+        "a_ok": ok, "b_ok": False, "a_reason": reason, "b_reason": "skipped" if not ok else "",
+        "temperature_a": config.temperature_a, "max_q": config.max_q, "max_a": config.max_a,
+        "rng_seed": int(chunk["rng_seed"]), "q_tokens": q_tokens, "a_tokens": 0,
+    }
+
+
+def run(
+    store: Store, lm: LoadedModel, documents, chunks, config: SynthConfig = SynthConfig(),
+    model_id: str = "", force: bool = False, run_id: str | None = None,
+    progress: Callable[[int], None] | None = None,
+):
+    """Conversations for every planned chunk, sharded by `gen_batch`."""
+
+    def work(ctx: StageContext) -> None:
+        docs = ctx.read(documents).to_pylist()
+        names = {d["doc_id"]: d["name"] for d in docs}
+        plan = ctx.read(chunks).to_pylist()
+        done = ctx.done_shards()
+        size = config.gen_batch
+        for shard, start in enumerate(range(0, len(plan), size)):
+            if shard in done:
+                continue
+            group = plan[start : start + size]
+            contexts = [chunk_context(c, names, len(docs) > 1, lm.tokenizer) for c in group]
+            rows = synthesize_group(lm, group, contexts, config, progress)
+            ctx.write_shard(shard, validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"])))
+            fault_point(f"synthesize.shard.{shard}")
+
+    cfg = {**config.to_dict(), "model": model_id}
+    return store.run(NAME, VERSION, cfg, [documents, chunks], work, force=force, run_id=run_id)

@@ -1,0 +1,68 @@
+"""Teacher pass: B's tokens teacher-forced through the frozen model with B's exact context.
+
+Targets are keyed by position in the STUDENT sequence (the teacher sequence minus
+the chunk's system turn), which is where the training stage reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pyarrow as pa
+
+from cartridges.models import LoadedModel
+from cartridges.targets import teacher_targets
+from schemas import TABLES, TeacherConfig, validate_table
+from storage import StageContext, Store
+from storage.faults import fault_point
+
+NAME = "teacher"
+VERSION = 1
+
+# Conversations per Parquet shard: the unit of work a crash can lose.
+SHARD = 32
+
+
+def usable(conv: dict, filtered: bool = True) -> bool:
+    """Has an answer to supervise, and passed the degenerate-message filter when it was on."""
+    answered = len(conv["teacher_ids"]) > conv["answer_start"] > 0
+    return answered and (not filtered or bool(conv["a_ok"] and conv["b_ok"]))
+
+
+def target_rows(lm: LoadedModel, convs: list[dict], config: TeacherConfig) -> list[dict]:
+    rows = []
+    for start in range(0, len(convs), config.batch):
+        group = convs[start : start + config.batch]
+        targets = teacher_targets(
+            lm.model, [c["teacher_ids"] for c in group], [c["answer_start"] for c in group],
+            config.top_k, config.top_mass,
+        )
+        for conv, per_position in zip(group, targets, strict=True):
+            for j, (ids, logprobs) in enumerate(per_position):
+                rows.append({
+                    "conv_id": conv["conv_id"], "position": conv["student_answer_start"] + j,
+                    "topk_ids": ids, "topk_logprobs": logprobs,
+                })
+    return rows
+
+
+def run(
+    store: Store, lm: LoadedModel, conversations, config: TeacherConfig = TeacherConfig(),
+    model_id: str = "", force: bool = False, run_id: str | None = None,
+    progress: Callable[[int], None] | None = None,
+):
+    def work(ctx: StageContext) -> None:
+        filtered = bool(conversations.config.get("filter", True))
+        convs = [c for c in ctx.read(conversations).to_pylist() if usable(c, filtered)]
+        done = ctx.done_shards()
+        for shard, start in enumerate(range(0, len(convs), SHARD)):
+            group = convs[start : start + SHARD]
+            if shard not in done:
+                rows = target_rows(lm, group, config)
+                ctx.write_shard(shard, validate_table("targets", pa.Table.from_pylist(rows, schema=TABLES["targets"])))
+                fault_point(f"teacher.shard.{shard}")
+            if progress:
+                progress(len(group))
+
+    cfg = {**config.to_dict(), "model": model_id}
+    return store.run(NAME, VERSION, cfg, [conversations], work, force=force, run_id=run_id)

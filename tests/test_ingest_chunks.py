@@ -1,0 +1,292 @@
+"""Ingest and chunk planning: content fingerprints, versions, bad input, keyed sampling."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from cartridges.errors import CorpusError
+from schemas import SEED_TYPES, ChunkConfig, IngestConfig
+from stages import chunks, ingest
+from stages.chunks import HELDOUT_ID_BASE, heldout_reserve, plan_chunks, plan_spans
+from storage import Store
+from tests.tiny import tiny_tokenizer
+
+WORDS = "deflate window huffman literal length distance block stored fixed dynamic".split()
+
+
+def _text(n_bytes: int, salt: int = 0) -> str:
+    words = [WORDS[(i * 7 + salt) % len(WORDS)] for i in range(n_bytes // 4 + 1)]
+    return " ".join(words)[:n_bytes]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def store(tmp_path) -> Store:
+    return Store(tmp_path / "store")
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    (d / "b.md").write_text(_text(3000, 1))
+    (d / "a.txt").write_text(_text(2000, 2))
+    (d / "sub" / "c.md").write_text(_text(1500, 3))
+    (d / "skip.rst").write_text("not a corpus file")
+    return d
+
+
+def _docs(store: Store, result) -> list[dict]:
+    return store.table(result).to_pylist()
+
+
+def _complete(store: Store, stage: str) -> list:
+    return [a for a in store.catalog.artifacts(stage) if a.status == "complete"]
+
+
+# ---------------------------------------------------------------- ingest
+
+
+def test_ingest_directory(store, corpus, tok):
+    result = ingest.run(store, [corpus], tok)
+    assert not result.skipped and result.status == "complete" and result.rows == 3
+    docs = _docs(store, result)
+    assert [d["doc_id"] for d in docs] == [0, 1, 2]
+    assert [d["name"] for d in docs] == ["a.txt", "b.md", "sub/c.md"]
+    for d in docs:
+        data = Path(d["path"]).read_bytes()
+        assert d["sha256"] == hashlib.sha256(data).hexdigest()
+        assert d["text"] == data.decode()
+        assert d["chars"] == len(d["text"])
+        assert d["tokens"] == len(data)  # tiny tokenizer: one token per byte
+        assert d["version"] == 1
+
+
+def test_ingest_files_in_sorted_path_order(store, corpus, tok):
+    result = ingest.run(store, [corpus / "b.md", str(corpus / "a.txt")], tok)
+    docs = _docs(store, result)
+    assert [(d["doc_id"], d["name"]) for d in docs] == [(0, "a.txt"), (1, "b.md")]
+
+
+def test_unchanged_rerun_is_skipped_even_when_touched(store, corpus, tok):
+    first = ingest.run(store, [corpus], tok)
+    (corpus / "a.txt").write_text((corpus / "a.txt").read_text())  # new mtime, same bytes
+    again = ingest.run(store, [corpus], tok)
+    assert again.skipped and again.id == first.id
+    assert ingest.run(store, [corpus], tok, force=True).id == first.id
+    assert [d["version"] for d in _docs(store, first)] == [1, 1, 1]
+
+
+def test_tokenizer_identity_is_part_of_the_fingerprint(store, corpus, tok):
+    first = ingest.run(store, [corpus], tok, tokenizer_id="model-a")
+    assert ingest.run(store, [corpus], tok, tokenizer_id="model-a").skipped
+    other = ingest.run(store, [corpus], tok, tokenizer_id="model-b")
+    assert not other.skipped and other.id != first.id
+    assert ingest.tokenizer_identity(tok) == ingest.tokenizer_identity(tiny_tokenizer())
+
+
+def test_changed_file_gets_new_artifact_and_version(store, corpus, tok):
+    first = ingest.run(store, [corpus], tok)
+    (corpus / "b.md").write_text(_text(3000, 5))
+    second = ingest.run(store, [corpus], tok)
+    assert not second.skipped and second.id != first.id
+    versions = {d["name"]: d["version"] for d in _docs(store, second)}
+    assert versions == {"a.txt": 1, "b.md": 2, "sub/c.md": 1}
+    (corpus / "b.md").write_text(_text(3000, 6))
+    (corpus / "new.md").write_text(_text(500, 7))
+    third = ingest.run(store, [corpus], tok)
+    versions = {d["name"]: d["version"] for d in _docs(store, third)}
+    assert versions == {"a.txt": 1, "b.md": 3, "new.md": 1, "sub/c.md": 1}
+    assert len(_complete(store, "ingest")) == 3
+
+
+def _bad_inputs(tmp: Path) -> list[tuple[list, IngestConfig, str]]:
+    tmp.mkdir()
+    (tmp / "bin.md").write_bytes(b"abc\x00def")
+    (tmp / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (tmp / "empty.md").write_text(" \n\t\n")
+    (tmp / "big.md").write_text("x" * 200)
+    (tmp / "ok.md").write_text("fine text here")
+    (tmp / "nodocs").mkdir()
+    (tmp / "nodocs" / "x.rst").write_text("rst only")
+    (tmp / "dup1").mkdir()
+    (tmp / "dup1" / "ok.md").write_text("another file with the same name")
+    default = IngestConfig()
+    return [
+        ([tmp / "missing.md"], default, "missing.md: no such file"),
+        ([tmp / "ok.md", tmp / "gone"], default, "gone: no such file"),
+        ([tmp / "bin.md"], default, "bin.md: binary file"),
+        ([tmp / "latin1.txt"], default, "latin1.txt: not valid UTF-8"),
+        ([tmp / "empty.md"], default, "empty.md: empty file"),
+        ([tmp / "big.md"], IngestConfig(max_bytes=100), "big.md: 200 bytes is over the 100-byte"),
+        ([tmp / "nodocs"], default, "nodocs: directory has no"),
+        ([tmp / "ok.md", tmp / "dup1"], default, "document name 'ok.md' is also used"),
+        ([], default, "no corpus paths"),
+    ]
+
+
+def test_bad_inputs_raise_before_any_artifact(store, tmp_path, tok):
+    for paths, config, message in _bad_inputs(tmp_path / "bad"):
+        with pytest.raises(CorpusError, match=message):
+            ingest.run(store, paths, tok, config)
+        assert store.latest("ingest") is None
+        assert store.catalog.artifacts("ingest") == []
+
+
+def test_bad_file_among_good_ones_names_it(store, corpus, tok):
+    (corpus / "zz.md").write_bytes(b"\xff\xfe bad bytes")
+    with pytest.raises(CorpusError, match=r"zz\.md: not valid UTF-8"):
+        ingest.run(store, [corpus], tok)
+    assert store.catalog.artifacts("ingest") == []
+
+
+# ---------------------------------------------------------------- chunk plans
+
+
+def _docs_of(lengths: list[int]) -> list[dict]:
+    return [{"doc_id": i, "token_ids": [(i * 1000 + t) % 250 for t in range(n)]}
+            for i, n in enumerate(lengths)]
+
+
+CFG = ChunkConfig(conversations=40, heldout=6, chunk_min=32, chunk_max=64, seed=3)
+
+
+def test_plan_is_deterministic_and_seeded():
+    docs = _docs_of([2000, 900, 400])
+    a, b = plan_chunks(docs, CFG), plan_chunks(docs, CFG)
+    assert a == b
+    other = plan_chunks(docs, CFG.replace(seed=4))
+    assert [(r["doc_id"], r["start"], r["end"]) for r in other] != [
+        (r["doc_id"], r["start"], r["end"]) for r in a]
+
+
+def test_chunk_i_does_not_depend_on_the_number_of_chunks():
+    docs = _docs_of([2000, 900, 400])
+    small = plan_chunks(docs, CFG.replace(conversations=10))
+    large = plan_chunks(docs, CFG.replace(conversations=20))
+    train_small = [r for r in small if r["split"] == "train"]
+    train_large = [r for r in large if r["split"] == "train"]
+    assert train_small == train_large[:10]
+    assert [r for r in small if r["split"] == "heldout"] == [
+        r for r in large if r["split"] == "heldout"]
+
+
+def test_rows_are_well_formed():
+    docs = _docs_of([2000, 900, 400])
+    rows = plan_chunks(docs, CFG)
+    train = [r for r in rows if r["split"] == "train"]
+    held = [r for r in rows if r["split"] == "heldout"]
+    assert len(train) == 40 and len(held) == 6
+    assert [r["chunk_id"] for r in train] == list(range(40))
+    assert [r["chunk_id"] for r in held] == [HELDOUT_ID_BASE + i for i in range(6)]
+    assert len({r["rng_seed"] for r in rows}) == len(rows)
+    for r in rows:
+        assert CFG.chunk_min <= r["tokens"] <= CFG.chunk_max
+        assert r["tokens"] == r["end"] - r["start"] == len(r["token_ids"])
+        assert r["token_ids"] == docs[r["doc_id"]]["token_ids"][r["start"]: r["end"]]
+        assert r["seed_type"] in SEED_TYPES
+        assert 0 <= r["rng_seed"] < 2**63
+
+
+def test_heldout_spans_never_overlap_train_spans():
+    docs = _docs_of([3000, 1200, 60, 20])
+    rows = plan_chunks(docs, CFG.replace(conversations=300, heldout=50))
+    train = [r for r in rows if r["split"] == "train"]
+    held = [r for r in rows if r["split"] == "heldout"]
+    for h in held:
+        assert heldout_reserve(len(docs[h["doc_id"]]["token_ids"]), CFG) > 0
+        for t in train:
+            if t["doc_id"] == h["doc_id"]:
+                assert t["end"] <= h["start"] or h["end"] <= t["start"], (t, h)
+    # Short documents are training-only; a document shorter than chunk_min is one whole chunk.
+    assert not [h for h in held if h["doc_id"] in (2, 3)]
+    tiny = [t for t in train if t["doc_id"] == 3]
+    assert tiny and all((t["start"], t["end"]) == (0, 20) for t in tiny)
+
+
+def test_reserved_tail_sizes():
+    assert heldout_reserve(3000, CFG) == 300  # 10% of the document
+    assert heldout_reserve(400, CFG) == 40  # 10%, above chunk_min
+    assert heldout_reserve(100, CFG) == 32  # at least chunk_min
+    assert heldout_reserve(64, CFG) == 32  # exactly 2 * chunk_min: both parts fit
+    assert heldout_reserve(63, CFG) == 0  # too short to spare a tail
+    assert heldout_reserve(3000, CFG.replace(heldout=0)) == 0
+
+
+def test_heldout_needs_a_long_enough_document():
+    with pytest.raises(CorpusError, match=r"too short for a held-out set.*63 tokens.*at least 64"):
+        plan_chunks(_docs_of([63, 20]), CFG)
+    # Without a held-out set a short corpus is fine: a document under chunk_min is one chunk.
+    rows = plan_chunks(_docs_of([30, 20]), CFG.replace(heldout=0))
+    assert {(r["doc_id"], r["start"], r["end"]) for r in rows} == {(0, 0, 30), (1, 0, 20)}
+    with pytest.raises(CorpusError, match="no tokens"):
+        plan_chunks([], CFG)
+
+
+def test_seed_types_roughly_uniform():
+    rows = plan_chunks(_docs_of([5000]), CFG.replace(conversations=140, heldout=0))
+    counts = Counter(r["seed_type"] for r in rows)
+    assert set(counts) == set(SEED_TYPES)
+    assert all(8 <= c <= 35 for c in counts.values()), counts
+    only = plan_chunks(_docs_of([5000]), CFG.replace(seed_types=("question", "verbatim")))
+    assert {r["seed_type"] for r in only} == {"question", "verbatim"}
+
+
+def test_documents_drawn_in_proportion_to_tokens():
+    rows = plan_spans([(0, 6000), (1, 3000), (2, 1000)], CFG.replace(conversations=2000))
+    counts = Counter(r["doc_id"] for r in rows if r["split"] == "train")
+    assert abs(counts[0] / 2000 - 0.6) < 0.05
+    assert abs(counts[1] / 2000 - 0.3) < 0.05
+    assert abs(counts[2] / 2000 - 0.1) < 0.03
+
+
+# ---------------------------------------------------------------- chunks stage
+
+
+def test_chunks_stage_skips_and_recomputes(store, corpus, tok):
+    cfg = ChunkConfig(conversations=12, heldout=3, chunk_min=64, chunk_max=128)
+    docs = ingest.run(store, [corpus], tok)
+    first = chunks.run(store, docs, tok, cfg)
+    assert not first.skipped and first.rows == 15
+    rows = store.table(first).to_pylist()
+    texts = {d["doc_id"]: d["text"] for d in _docs(store, docs)}
+    for r in rows:
+        assert tok.decode(r["token_ids"]) == texts[r["doc_id"]].encode()[r["start"]: r["end"]].decode()
+    plan = plan_chunks(
+        [{"doc_id": d, "token_ids": tok(t, add_special_tokens=False)["input_ids"]}
+         for d, t in texts.items()], cfg)
+    assert rows == plan
+
+    docs_again = ingest.run(store, [corpus], tok)
+    again = chunks.run(store, docs_again, tok, cfg)
+    assert docs_again.skipped and again.skipped and again.id == first.id
+
+    wider = chunks.run(store, ingest.run(store, [corpus], tok), tok, cfg.replace(chunk_max=200))
+    assert not wider.skipped and wider.id != first.id
+    assert max(r["tokens"] for r in store.table(wider).to_pylist()) <= 200
+    assert store.latest("ingest").id == docs.id
+    assert len(_complete(store, "chunks")) == 2
+
+
+def test_chunks_follow_a_changed_corpus(store, corpus, tok):
+    cfg = ChunkConfig(conversations=8, heldout=2, chunk_min=64, chunk_max=128)
+    first = chunks.run(store, ingest.run(store, [corpus], tok), tok, cfg)
+    (corpus / "a.txt").write_text(_text(2000, 9))
+    second = chunks.run(store, ingest.run(store, [corpus], tok), tok, cfg)
+    assert not second.skipped and second.id != first.id
+
+
+def test_chunks_too_short_corpus_leaves_no_artifact(store, tmp_path, tok):
+    (tmp_path / "short.md").write_text("only a few words")
+    docs = ingest.run(store, [tmp_path / "short.md"], tok)
+    with pytest.raises(CorpusError, match="too short for a held-out set.*512 tokens"):
+        chunks.run(store, docs, tok)
+    assert store.catalog.artifacts("chunks") == []

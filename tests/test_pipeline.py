@@ -1,0 +1,125 @@
+"""The whole pipeline on a tiny model: skips, reruns, crash recovery, SQL, and the Prefect flow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cartridges.chat import end_of_turn_ids
+from schemas.presets import preset
+from stages.pipeline import run_pipeline
+from storage import Store, query
+from storage.faults import InjectedFault
+from tests.tiny import tiny_llama
+
+CORPUS = (
+    "Prefix caches hold keys and values. A cartridge is trained offline by self-study. "
+    "The teacher sees the chunk; the student sees only the cartridge rows. "
+) * 12
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.md"
+    path.write_text(CORPUS)
+    return path
+
+
+def smoke(**train):
+    # A random tiny model writes gibberish, so degenerate-message filtering is off here.
+    return preset("smoke", {"synth": {"filter": False}, "train": train})
+
+
+def test_pipeline_trains_and_an_unchanged_rerun_skips_every_stage(tmp_path, corpus):
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    first = run_pipeline(store, lm, [corpus], smoke(), save=tmp_path / "out.safetensors", log=lambda _: None)
+    assert first["skipped"] == []
+    assert first["conversations"] == 8 and first["planned_conversations"] == 10
+    assert first["heldout_loss_before"] is not None and first["heldout_loss_after"] is not None
+    assert first["coverage"] > 0 and (tmp_path / "out.safetensors").is_file()
+    again = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
+    assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "teacher", "train"])
+    assert again["heldout_loss_after"] == first["heldout_loss_after"]
+
+
+def test_changing_chunk_max_reruns_chunks_and_downstream_but_reuses_ingest(tmp_path, corpus):
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    run_pipeline(store, lm, [corpus], smoke())
+    cfg = smoke()
+    cfg = cfg.replace(chunks=cfg.chunks.replace(chunk_max=48))
+    second = run_pipeline(store, lm, [corpus], cfg)
+    assert second["skipped"] == ["ingest"]
+
+
+def test_student_sequences_have_no_injected_system_prompt_and_supervise_end_of_turn(tmp_path, corpus):
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    run_pipeline(store, lm, [corpus], smoke())
+    convs = store.table(store.latest("synthesize")).to_pylist()
+    targets = store.table(store.latest("teacher")).to_pylist()
+    eot = set(end_of_turn_ids(lm.tokenizer))
+    stopped = 0
+    for c in convs:
+        if not c["b_ok"]:
+            continue
+        student = lm.tokenizer.decode(c["student_ids"])
+        assert "helpful assistant" not in student and student.startswith("<|im_start|>user")
+        assert c["teacher_ids"][c["answer_start"]:] == c["student_ids"][c["student_answer_start"]:]
+        positions = {t["position"] for t in targets if t["conv_id"] == c["conv_id"]}
+        assert positions == set(range(c["student_answer_start"], len(c["student_ids"])))
+        if c["student_ids"][-1] in eot:
+            stopped += 1
+            assert len(c["student_ids"]) - 1 in positions  # the closing end-of-turn token is supervised
+    assert convs and stopped >= 0
+
+
+def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_path, corpus, monkeypatch):
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    monkeypatch.setenv("CARTRIDGES_FAULT", "synthesize.shard.1:raise")
+    with pytest.raises(InjectedFault):
+        run_pipeline(store, lm, [corpus], smoke())
+    failed = [a for a in store.catalog.artifacts("synthesize")]
+    assert [a.status for a in failed] == ["failed"]
+    monkeypatch.delenv("CARTRIDGES_FAULT")
+    run_pipeline(store, lm, [corpus], smoke())
+    convs = store.table(store.latest("synthesize")).column("conv_id").to_pylist()
+    plan = store.table(store.latest("chunks")).column("chunk_id").to_pylist()
+    assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
+
+
+def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, corpus, monkeypatch):
+    import torch
+
+    from cartridges.files import load_cartridge
+
+    lm = tiny_llama()
+    clean = Store(tmp_path / "clean")
+    ref = run_pipeline(clean, lm, [corpus], smoke(save_every=1))
+    crashed = Store(tmp_path / "crashed")
+    monkeypatch.setenv("CARTRIDGES_FAULT", "train.step.2:raise")
+    with pytest.raises(InjectedFault):
+        run_pipeline(crashed, lm, [corpus], smoke(save_every=1))
+    monkeypatch.delenv("CARTRIDGES_FAULT")
+    resumed = run_pipeline(crashed, lm, [corpus], smoke(save_every=1))
+    a, b = load_cartridge(ref["cartridge"]), load_cartridge(resumed["cartridge"])
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y)
+    assert resumed["losses"] == ref["losses"]
+
+
+def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpus, tiny_model_dir, capsys):
+    from cartridges.cli import main
+
+    store = tmp_path / "store"
+    code = main(["train", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--preset", "smoke",
+                 "--no-filter", "--store", str(store), "--save", str(tmp_path / "c.safetensors"), "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert code == 0
+    for key in ("heldout_loss_before", "heldout_loss_after", "conversations", "s_per_conversation", "cartridge"):
+        assert key in summary
+    columns, rows = query(store, "select count(*) as n, count(distinct conv_id) as d from conversations")
+    assert rows[0] == (10, 10)
+    code = main(["sql", "--store", str(store), "select seed_type, count(*) from conversations group by 1", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and sum(r[1] for r in result["rows"]) == 10
