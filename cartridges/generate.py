@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transformers import DynamicCache
+
 from cartridges.models import cache_keyword, project
 from cartridges.prefix import Rows, forward_behind, prefix_length, read_cache
 
@@ -95,10 +97,12 @@ def _run_group(
         real[r, width - lengths[r] :] = True
     ids, real = ids.to(device), real.to(device)
 
-    hidden, cache = forward_behind(model, rows, ids, attention_mask=real.long(), use_cache=True)
+    hidden, filled = forward_behind(model, rows, ids, attention_mask=real.long(), use_cache=True)
     # Only the last row of each stream is projected: [B, L, vocab] is never built.
     logits = project(model, hidden[:, -1])
     del hidden
+    cache = _RoomyCache(filled, room=max(s.max_new for s in group) - 1) if _ROOMY else filled
+    del filled
 
     # Key columns each stream may read: all prefix rows and its own real tokens.
     allowed = torch.cat([torch.ones(batch, p, dtype=torch.bool, device=device), real], dim=1)
@@ -130,7 +134,7 @@ def _run_group(
             break
         if len(keep) < len(active):
             rows_kept = torch.tensor(keep, dtype=torch.long, device=device)
-            _select_rows(cache, rows_kept)
+            cache.select_rows(rows_kept) if _ROOMY else _select_rows(cache, rows_kept)
             allowed = allowed.index_select(0, rows_kept)
             positions = positions.index_select(0, rows_kept)
             active = [active[r] for r in keep]
@@ -206,3 +210,46 @@ def _select_rows(cache, rows: torch.Tensor) -> None:
     for n, (keys, values) in enumerate(read_cache(cache)):
         cache.key_cache[n] = keys.index_select(0, rows)
         cache.value_cache[n] = values.index_select(0, rows)
+
+
+_ROOMY = True
+
+
+class _RoomyCache(DynamicCache):
+    """A cache whose layers have spare columns for the tokens still to come.
+
+    A decode step then writes one column in place; the default cache concatenates, which
+    copies the whole cache (as large as the weights for wide batches) on every step.
+    """
+
+    def __init__(self, filled, room: int):
+        self._full: list[tuple[torch.Tensor, torch.Tensor]] = []
+        views = []
+        for keys, values in read_cache(filled):
+            n = keys.shape[-2]
+            k = keys.new_empty(*keys.shape[:-2], n + room, keys.shape[-1])
+            v = values.new_empty(*values.shape[:-2], n + room, values.shape[-1])
+            k[..., :n, :] = keys
+            v[..., :n, :] = values
+            self._full.append((k, v))
+            views.append((k[..., :n, :], v[..., :n, :]))
+        super().__init__(ddp_cache_data=views)
+        for layer, (k, v) in zip(self.layers, views, strict=True):
+            layer.keys, layer.values = k, v
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        k, v = self._full[layer_idx]
+        n, q = layer.keys.shape[-2], key_states.shape[-2]
+        k[..., n : n + q, :] = key_states
+        v[..., n : n + q, :] = value_states
+        layer.keys, layer.values = k[..., : n + q, :], v[..., : n + q, :]
+        return layer.keys, layer.values
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Physically drop retired streams so later steps skip their rows."""
+        for i, layer in enumerate(self.layers):
+            n = layer.keys.shape[-2]
+            k, v = (t.index_select(0, rows) for t in self._full[i])
+            self._full[i] = (k, v)
+            layer.keys, layer.values = k[..., :n, :], v[..., :n, :]

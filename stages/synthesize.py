@@ -38,6 +38,21 @@ def question_stop_ids(tokenizer) -> tuple[int, ...]:
     return cached
 
 
+# A bot B answer that repeats a span of this many tokens has started to loop.
+LOOP_SPAN = 10
+
+
+def loop_start(tokens: list[int], span: int = LOOP_SPAN) -> int | None:
+    """Index where a repeated `span`-token window first recurs (greedy decoding loops)."""
+    seen: set[tuple[int, ...]] = set()
+    for i in range(len(tokens) - span + 1):
+        window = tuple(tokens[i : i + span])
+        if window in seen:
+            return i
+        seen.add(window)
+    return None
+
+
 def chunk_context(chunk: dict, doc_names: dict[int, str], multi: bool, tokenizer) -> str:
     """The chunk as both bots see it; multi-document corpora name the document."""
     text = tokenizer.decode(chunk["token_ids"])
@@ -79,6 +94,9 @@ def synthesize_group(
     for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
         row, ctx = rows[i], contexts[i]
         answer_tokens = list(gen.tokens)
+        cut = loop_start(answer_tokens)
+        if cut is not None:  # keep the answer up to its loop; the repeats teach nothing but looping
+            answer_tokens = answer_tokens[:cut]
         text = tok.decode([t for t in answer_tokens if t not in eot], skip_special_tokens=True)
         answer = strip_think(text)
         if answer != text.strip():  # marked reasoning removed: supervise the cleaned answer
@@ -88,6 +106,8 @@ def synthesize_group(
         if teacher[: len(head)] != head:
             raise ValueError("chat template does not render the system turn as a prefix")
         ok, reason = score_answer(answer, row["question"])
+        if ok and cut is not None:
+            reason = "loop_cut"
         row.update(
             answer=answer, teacher_ids=teacher, student_ids=teacher[len(head):],
             answer_start=len(stream.prompt), student_answer_start=len(stream.prompt) - len(head),
