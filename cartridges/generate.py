@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
 from transformers import DynamicCache
 
 from cartridges.models import cache_keyword, project

@@ -51,10 +51,11 @@ def student_loss(
     attention_mask: torch.Tensor | None = None,
     segment_ids: torch.Tensor | None = None,
     reduction: str = "mean",
+    checkpoint: bool = False,
 ) -> torch.Tensor:
     """Distillation loss of the student behind `rows` (a cartridge or a composition)."""
     if (targets.position < 1).any():
         raise ValueError("a supervised position must be >= 1 (its logits come from position - 1)")
-    hidden = forward_behind(model, rows, input_ids, attention_mask, segment_ids)
+    hidden = forward_behind(model, rows, input_ids, attention_mask, segment_ids, checkpoint=checkpoint)
     selected = hidden[targets.row, targets.position - 1]
     return sparse_distill(selected, model, targets.ids, targets.logprobs, reduction)

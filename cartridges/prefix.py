@@ -8,9 +8,11 @@ causal among real tokens of its own segment (packing) that are not padding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
+import torch.utils.checkpoint
 from transformers import DynamicCache
 
 from cartridges.models import backbone, cache_keyword
@@ -32,6 +34,44 @@ def prefix_cache(rows: Rows, batch: int = 1) -> DynamicCache:
         for k, v in rows
     ]
     return DynamicCache(ddp_cache_data=data)
+
+
+class PrefixCache(DynamicCache):
+    """A read-only cache: each layer sees its prefix rows ahead of the new keys, nothing is stored.
+
+    Training forwards use it so the forward is a pure function of its inputs, which is
+    what lets activation recomputation replay a layer and get the same tensors.
+    """
+
+    def __init__(self, rows: Rows, batch: int) -> None:
+        super().__init__()
+        self._rows = [(k.unsqueeze(0).expand(batch, -1, -1, -1), v.unsqueeze(0).expand(batch, -1, -1, -1)) for k, v in rows]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not self._rows:
+            return key_states, value_states
+        k, v = self._rows[layer_idx]
+        return torch.cat([k, key_states], dim=-2), torch.cat([v, value_states], dim=-2)
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return int(self._rows[0][0].shape[-2]) if self._rows else 0
+
+
+@contextmanager
+def recompute_layers(model: torch.nn.Module) -> Iterator[None]:
+    """Recompute each decoder layer's activations in the backward instead of keeping them:
+    the same gradients at a lower peak memory (pair with a `PrefixCache`)."""
+    layers = list(backbone(model).layers)
+    for layer in layers:
+        def checkpointed(*args, _forward=layer.forward, **kwargs):
+            return torch.utils.checkpoint.checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = checkpointed
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def prefix_length(rows: Rows) -> int:
@@ -80,25 +120,32 @@ def forward_behind(
     segment_ids: torch.Tensor | None = None,
     logits: bool = False,
     use_cache: bool = False,
+    checkpoint: bool = False,
 ):
     """Run real tokens behind prefix rows in a fresh cache.
 
-    Returns final-norm hidden states `[B, L, D]` (or logits with `logits=True`) and
-    the cache, which holds the prefix plus these tokens for decoding to continue.
+    Returns final-norm hidden states `[B, L, D]` (or logits with `logits=True`); with
+    `use_cache` also the cache, which then holds the prefix plus these tokens for
+    decoding to continue. `checkpoint` recomputes layer activations in the backward.
     """
     batch, length = input_ids.shape
     p = prefix_length(rows)
     positions, allowed = layout(p, (batch, length), attention_mask, segment_ids, input_ids.device)
     dtype = next(model.parameters()).dtype
-    cache = prefix_cache(rows, batch) if p else DynamicCache()
+    if use_cache:
+        cache = prefix_cache(rows, batch) if p else DynamicCache()
+    else:
+        cache = PrefixCache(rows, batch)
     target = model if logits else backbone(model)
-    out = target(
-        input_ids=input_ids,
-        attention_mask=additive_mask(allowed, dtype),
-        position_ids=positions,
-        use_cache=True,
-        **{cache_keyword(target): cache},
-    )
+    kwargs = {
+        "input_ids": input_ids, "attention_mask": additive_mask(allowed, dtype), "position_ids": positions,
+        "use_cache": True, cache_keyword(target): cache,
+    }
+    if checkpoint and torch.is_grad_enabled():
+        with recompute_layers(model):
+            out = target(**kwargs)
+    else:
+        out = target(**kwargs)
     result = out.logits if logits else out.last_hidden_state
     return (result, cache) if use_cache else result
 

@@ -28,55 +28,26 @@ class Seed:
     stop_at_question: bool
 
 
+# Every seed asks for a question: on the 135M default model, "Request:"-style openings
+# produced code, chatter and headings (about half unusable), while the same seed forms
+# phrased as "Write one question that ..." with the turn opened by "Question:" gave a
+# well-formed, grounded question for 56 of 56 deflate chunks (all seven types).
 SEEDS: dict[str, Seed] = {
     s.type: s
     for s in (
-        Seed(
-            "structuring",
-            "Write one request asking to organize specific facts from this text as a JSON "
-            "object, and name the fields it should have.",
-            "Request:",
-            False,
-        ),
-        Seed(
-            "summarization",
-            "Write one request asking for a short summary of a specific part of this text.",
-            "Request:",
-            False,
-        ),
-        Seed(
-            "question",
-            "Write one specific question that this text answers.",
-            "Question:",
-            True,
-        ),
-        Seed(
-            "use_case",
-            "Write one practical request that a user could make and that this text helps "
-            "to answer.",
-            "Request:",
-            False,
-        ),
-        Seed(
-            "creative",
-            "Write one creative request about a specific detail of this text, such as a "
-            "short poem or story about it.",
-            "Request:",
-            False,
-        ),
-        Seed(
-            "mechanism",
-            "Write one question asking why or how something described in this text works.",
-            "Question:",
-            True,
-        ),
-        Seed(
-            "verbatim",
-            "Write one question asking for the exact wording or an exact number given in "
-            "this text.",
-            "Question:",
-            True,
-        ),
+        Seed("structuring", "Write one question that asks to list specific facts from this text as a JSON object.",
+             "Question:", True),
+        Seed("summarization", "Write one question that asks for a short summary of one part of this text.",
+             "Question:", True),
+        Seed("question", "Write one specific question that this text answers.", "Question:", True),
+        Seed("use_case", "Write one practical question that a user could ask and that this text helps to answer.",
+             "Question:", True),
+        Seed("creative", "Write one question that asks for a short poem or story about a specific detail of this text.",
+             "Question:", True),
+        Seed("mechanism", "Write one question asking why or how something described in this text works.",
+             "Question:", True),
+        Seed("verbatim", "Write one question asking for the exact wording or an exact number given in this text.",
+             "Question:", True),
     )
 }
 if tuple(SEEDS) != SEED_TYPES:

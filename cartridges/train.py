@@ -65,7 +65,10 @@ def single_batch(ex: Example, device) -> tuple[torch.Tensor, Targets]:
     return torch.tensor([ex.ids], device=device), targets
 
 
-def group_backward(model: torch.nn.Module, parts: list[Cartridge], examples: list[Example], packed: bool = True) -> float:
+def group_backward(
+    model: torch.nn.Module, parts: list[Cartridge], examples: list[Example], packed: bool = True,
+    checkpoint: bool = False,
+) -> float:
     """Accumulate the group's mean-over-positions loss gradient into the cartridge leaves."""
     device = next(model.parameters()).device
     total = sum(ex.n for ex in examples)
@@ -73,13 +76,14 @@ def group_backward(model: torch.nn.Module, parts: list[Cartridge], examples: lis
         return 0.0
     if packed:
         ids, segments, targets = packed_batch(examples, device)
-        loss = student_loss(model, compose_rows(parts), ids, targets, segment_ids=segments, reduction="sum") / total
+        loss = student_loss(model, compose_rows(parts), ids, targets, segment_ids=segments, reduction="sum",
+                            checkpoint=checkpoint) / total
         loss.backward()
         return float(loss.item())
     value = 0.0
     for ex in examples:
         ids, targets = single_batch(ex, device)
-        loss = student_loss(model, compose_rows(parts), ids, targets, reduction="sum") / total
+        loss = student_loss(model, compose_rows(parts), ids, targets, reduction="sum", checkpoint=checkpoint) / total
         loss.backward()
         value += float(loss.item())
     return value

@@ -91,7 +91,7 @@ def train_cartridge(
     for step in range(start, len(groups)):
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = group_backward(lm.model, [cart], groups[step], packed=config.pack)
+        loss = group_backward(lm.model, [cart], groups[step], packed=config.pack, checkpoint=config.checkpoint)
         opt.step()
         row = {"run_id": run_id, "step": step, "docs": names, "visibility": "isolated", "loss": loss,
                "lr": config.lr, "tokens": sum(ex.n for ex in groups[step]),

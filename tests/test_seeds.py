@@ -35,7 +35,7 @@ def test_all_seven_types_present_and_well_formed():
     assert "summary" in SEEDS["summarization"].instruction
     assert "why or how" in SEEDS["mechanism"].instruction
     assert "exact" in SEEDS["verbatim"].instruction
-    assert {t for t, s in SEEDS.items() if s.stop_at_question} == {"question", "mechanism", "verbatim"}
+    assert all(s.stop_at_question for s in SEEDS.values())
 
 
 def test_unknown_seed_type_names_the_choices():
@@ -69,9 +69,8 @@ def test_clean_question_cuts_at_question_mark():
 def test_clean_question_keeps_requests_to_their_first_line():
     raw = " Summarize the part about Huffman codes.\nSure! Here is a summary: ..."
     assert clean_question(raw, "summarization") == "Summarize the part about Huffman codes."
-    # Request seeds do not stop at '?'.
-    raw = "Request: Can you list the window size? Give it as JSON with a field size."
-    assert clean_question(raw, "structuring") == raw.removeprefix("Request: ")
+    raw = "Question: Can you list the window size as JSON? Give it a field size."
+    assert clean_question(raw, "structuring") == "Can you list the window size as JSON?"
 
 
 @pytest.mark.parametrize("text, reason", [

@@ -78,6 +78,26 @@ def test_packed_and_flat_training_paths_give_equal_gradients():
     assert any(g.abs().sum() > 0 for g in grads[True][1])
 
 
+def test_recomputing_activations_gives_the_same_gradients():
+    lm = tiny_llama()
+    base = Cartridge.from_rows(capture_rows(lm.model, torch.arange(10) + 30))
+    examples = random_examples(3, seed=2)
+    grads, calls = [], []
+    attention = lm.model.model.layers[0].self_attn
+    for checkpoint in (False, True):
+        count = [0]
+        hook = attention.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        cart = Cartridge.from_rows(base.detached_rows())
+        group_backward(lm.model, [cart], examples, packed=True, checkpoint=checkpoint)
+        hook.remove()
+        grads.append([p.grad.clone() for p in cart.parameters()])
+        calls.append(count[0])
+    assert calls == [1, 2]  # the layer really ran again in the backward
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-6)
+    assert all(not hasattr(layer, "__dict__") or "forward" not in layer.__dict__ for layer in lm.model.model.layers)
+
+
 def test_optimizer_roundtrip_continues_bit_identically(tmp_path):
     from cartridges.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
 
