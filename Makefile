@@ -9,10 +9,10 @@ P ?= 256
 
 CONVERSATIONS ?=
 Q ?= SELECT seed_type, count(*) AS n FROM conversations GROUP BY 1 ORDER BY 1
-DEMO_CORPUS ?= README.md docs
+DEMO_CORPUS ?= README.md docs/PIPELINE.md
 DEMO_CARTRIDGE ?= artifacts/demo.safetensors
 
-.PHONY: setup demo test lint equiv cartridge sql bench-synth clean
+.PHONY: setup demo test lint equiv cartridge sql bench bench-synth bench-train clean
 
 setup: $(STAMP)
 
@@ -29,9 +29,9 @@ demo: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128
 	$(BIN)/cartridges train --preset demo $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
 	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
-		--question "What does make demo do?" --max-new 64
+		--question "What does the teacher stage keep for each answer token?" --max-new 64
 	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
-		--question "What is a cartridge?" --max-new 64
+		--question "Where are the artifacts of a run stored?" --max-new 64
 
 cartridge: setup
 	$(BIN)/cartridges train --corpus $(CORPUS) --p $(P) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
@@ -54,3 +54,8 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) models artifacts
+
+bench-train: setup
+	$(BIN)/python -m bench.bench_train --json
+
+bench: bench-synth bench-train

@@ -30,8 +30,36 @@ def _plain(fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _bar(total: int, desc: str, unit: str):
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False)
+class _LogBar:
+    """Progress for logs (not a terminal): one line at most every `every` seconds."""
+
+    def __init__(self, desc: str, unit: str, every: float = 15.0) -> None:
+        self.desc, self.unit, self.every = desc, unit, every
+        self.n, self.start, self.last = 0, time.perf_counter(), time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if now - self.last >= self.every:
+            self.last = now
+            rate = self.n / max(now - self.start, 1e-9)
+            print(f"{self.desc}: {self.n} {self.unit} ({rate:.1f} {self.unit}/s)", file=sys.stderr, flush=True)
+
+    def set_postfix(self, **kwargs) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def _bar(total: int | None, desc: str, unit: str):
+    """A progress bar in a terminal, periodic log lines otherwise."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+    return _LogBar(desc, unit)
 
 
 def run_pipeline(
