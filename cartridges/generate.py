@@ -100,7 +100,7 @@ def _run_group(
     # Only the last row of each stream is projected: [B, L, vocab] is never built.
     logits = project(model, hidden[:, -1])
     del hidden
-    cache = _RoomyCache(filled, room=max(s.max_new for s in group) - 1) if _ROOMY else filled
+    cache = _RoomyCache(filled, room=max(s.max_new for s in group) - 1)
     del filled
 
     # Key columns each stream may read: all prefix rows and its own real tokens.
@@ -114,8 +114,7 @@ def _run_group(
     active = list(range(batch))
 
     while True:
-        chosen = _choose(logits, [group[i] for i in active], [generators[i] for i in active])
-        step_margins = _margins(logits)
+        chosen, step_margins = _choose(logits, [group[i] for i in active], [generators[i] for i in active])
         keep = []
         for r, i in enumerate(active):
             token = chosen[r]
@@ -133,7 +132,7 @@ def _run_group(
             break
         if len(keep) < len(active):
             rows_kept = torch.tensor(keep, dtype=torch.long, device=device)
-            cache.select_rows(rows_kept) if _ROOMY else _select_rows(cache, rows_kept)
+            cache.select_rows(rows_kept)
             allowed = allowed.index_select(0, rows_kept)
             positions = positions.index_select(0, rows_kept)
             active = [active[r] for r in keep]
@@ -170,14 +169,21 @@ def _generator(stream: Stream, device: torch.device) -> torch.Generator | None:
 
 def _choose(
     logits: torch.Tensor, streams: Sequence[Stream], generators: Sequence[torch.Generator | None]
-) -> list[int]:
-    """Greedy rows take the argmax in one batched call; sampled rows draw one by one from
-    their own generator so each draw depends only on that stream."""
-    chosen = logits.argmax(dim=-1).tolist()
+) -> tuple[list[int], list[float]]:
+    """Next token and top-2 margin per row from one pass over the vocabulary.
+
+    Greedy rows take the top-1 id; sampled rows draw one by one from their own
+    generator so each draw depends only on that stream.
+    """
+    if logits.shape[-1] < 2:
+        return [0] * logits.shape[0], [math.inf] * logits.shape[0]
+    values, ids = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1)
+    chosen = ids[:, 0].tolist()
+    margins = (values[:, 0] - values[:, 1]).tolist()
     for r, (stream, gen) in enumerate(zip(streams, generators, strict=True)):
         if gen is not None:
             chosen[r] = _sample(logits[r], stream.temperature, stream.top_p, gen)
-    return chosen
+    return chosen, margins
 
 
 def _sample(row: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -192,28 +198,6 @@ def _sample(row: torch.Tensor, temperature: float, top_p: float, gen: torch.Gene
     return int(order[pick].item())
 
 
-def _margins(logits: torch.Tensor) -> list[float]:
-    if logits.shape[-1] < 2:
-        return [math.inf] * logits.shape[0]
-    top = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1).values
-    return (top[:, 0] - top[:, 1]).tolist()
-
-
-def _select_rows(cache, rows: torch.Tensor) -> None:
-    """Physically drop retired streams from every layer so later steps skip their rows."""
-    if hasattr(cache, "layers"):
-        for layer in cache.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
-        return
-    for n, (keys, values) in enumerate(read_cache(cache)):
-        cache.key_cache[n] = keys.index_select(0, rows)
-        cache.value_cache[n] = values.index_select(0, rows)
-
-
-_ROOMY = True
-
-
 class _RoomyCache(DynamicCache):
     """A cache whose layers have spare columns for the tokens still to come.
 
@@ -221,7 +205,7 @@ class _RoomyCache(DynamicCache):
     copies the whole cache (as large as the weights for wide batches) on every step.
     """
 
-    def __init__(self, filled, room: int):
+    def __init__(self, filled: DynamicCache, room: int):
         self._full: list[tuple[torch.Tensor, torch.Tensor]] = []
         views = []
         for keys, values in read_cache(filled):
@@ -236,7 +220,9 @@ class _RoomyCache(DynamicCache):
         for layer, (k, v) in zip(self.layers, views, strict=True):
             layer.keys, layer.values = k, v
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
         k, v = self._full[layer_idx]
         n, q = layer.keys.shape[-2], key_states.shape[-2]

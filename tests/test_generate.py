@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -172,7 +171,6 @@ QUESTIONS = (
 
 @pytest.mark.slow
 def test_default_model_batched_matches_alone_until_a_near_tie(default_lm):
-    start = time.perf_counter()
     tok = default_lm.tokenizer
     streams = [
         Stream(chat_ids(tok, [{"role": "user", "content": q}], add_generation_prompt=True), max_new=24)
@@ -189,4 +187,3 @@ def test_default_model_batched_matches_alone_until_a_near_tie(default_lm):
             assert tb == ta, f"step {step}: batched {tb} vs alone {ta}"
             compared += 1
     assert compared >= 24 * len(streams) // 2
-    assert time.perf_counter() - start < 60

@@ -123,3 +123,24 @@ def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpu
     code = main(["sql", "--store", str(store), "select seed_type, count(*) from conversations group by 1", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and sum(r[1] for r in result["rows"]) == 10
+
+
+def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpus, tiny_model_dir, capsys):
+    from cartridges.cli import main
+    from cartridges.models import load_model
+
+    store = tmp_path / "store"
+    lm = load_model(str(tiny_model_dir))
+    run_pipeline(Store(store), lm, [corpus], smoke())
+    capsys.readouterr()
+    common = ["--model", str(tiny_model_dir), "--store", str(store), "--preset", "smoke", "--json"]
+    assert main(["stage", "chunks", *common]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["skipped"] is True
+    assert main(["stage", "chunks", "--chunk-max", "48", *common]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["skipped"] is False and result["rows"] == 10
+    assert main(["runs", "--store", str(store), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stages = [a["stage"] for a in listed["artifacts"]]
+    assert stages.count("chunks") == 2 and all(a["status"] == "complete" for a in listed["artifacts"])
+    assert [r["status"] for r in listed["runs"]] == ["complete"]
