@@ -30,6 +30,7 @@ class Stream:
     top_p: float = 1.0
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
+    loop_span: int = 0  # > 0: end the stream once a window of this many tokens recurs
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Generation:
     """What a stream produced; margins let callers tell near-ties from real disagreements."""
 
     tokens: list[int]
-    finished: str
+    finished: str  # "stop", "length" or "loop"
     min_margin: float = math.inf
     margins: list[float] = field(default_factory=list)
 
@@ -112,6 +113,7 @@ def _run_group(
     margins: list[list[float]] = [[] for _ in group]
     finished = [""] * batch
     active = list(range(batch))
+    windows: list[set[tuple[int, ...]]] = [set() for _ in group]
 
     while True:
         chosen, step_margins = _choose(logits, [group[i] for i in active], [generators[i] for i in active])
@@ -120,8 +122,11 @@ def _run_group(
             token = chosen[r]
             tokens[i].append(token)
             margins[i].append(step_margins[r])
+            span = group[i].loop_span
             if token in group[i].stop_ids:
                 finished[i] = "stop"
+            elif span and _looped(tokens[i], span, windows[i]):
+                finished[i] = "loop"
             elif len(tokens[i]) >= group[i].max_new:
                 finished[i] = "length"
             else:
@@ -159,6 +164,17 @@ def _run_group(
         )
         for i in range(batch)
     ]
+
+
+def _looped(tokens: list[int], span: int, seen: set[tuple[int, ...]]) -> bool:
+    """Whether the newest `span`-token window already occurred (a greedy decoding loop)."""
+    if len(tokens) < span:
+        return False
+    window = tuple(tokens[-span:])
+    if window in seen:
+        return True
+    seen.add(window)
+    return False
 
 
 def _generator(stream: Stream, device: torch.device) -> torch.Generator | None:

@@ -135,8 +135,8 @@ class IngestConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig(_Config):
-    conversations: int = 64
-    heldout: int = 8
+    conversations: int = 160
+    heldout: int = 16
     chunk_min: int = 256
     chunk_max: int = 512
     seed: int = 7

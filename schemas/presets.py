@@ -8,9 +8,9 @@ PRESETS: dict[str, dict] = {
     "default": {},
     # Fits `make demo` (about ten minutes on a 2-core CPU with the default model).
     "demo": {
-        "chunks": {"conversations": 48, "heldout": 8, "chunk_min": 256, "chunk_max": 384},
+        "chunks": {"conversations": 64, "heldout": 8, "chunk_min": 256, "chunk_max": 384},
         "synth": {"max_q": 48, "max_a": 128},
-        "train": {"p": 128},
+        "train": {"p": 128, "lr": 5e-3, "epochs": 2},
     },
     # Seconds, for tests on tiny models.
     "smoke": {

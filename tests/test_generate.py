@@ -10,7 +10,7 @@ import torch
 from cartridges.chat import chat_ids
 from cartridges.generate import Stream, generate
 from cartridges.prefix import capture_rows
-from tests.tiny import TINY, tiny_llama
+from tests.tiny import TINY, tiny_llama, tiny_qwen3
 
 LENGTHS = (3, 11, 6, 17, 1)
 MAX_NEW = (9, 4, 12, 7, 10)
@@ -187,3 +187,17 @@ def test_default_model_batched_matches_alone_until_a_near_tie(default_lm):
             assert tb == ta, f"step {step}: batched {tb} vs alone {ta}"
             compared += 1
     assert compared >= 24 * len(streams) // 2
+
+
+def test_loop_span_ends_a_stream_when_a_window_recurs():
+    from stages.synthesize import loop_start
+
+    lm = tiny_qwen3(torch.float64)
+    prompt = [5, 9, 13, 200, 31]
+    full = generate(lm.model, [Stream(prompt, 40)], batch_size=1)[0]
+    assert loop_start(full.tokens, 3) is not None  # this tiny model loops
+    cut = generate(lm.model, [Stream(prompt, 40, loop_span=3)], batch_size=1)[0]
+    assert cut.finished == "loop"
+    assert cut.tokens == full.tokens[: len(cut.tokens)]
+    assert loop_start(cut.tokens, 3) == len(cut.tokens) - 3  # stopped on the first recurring window
+    assert loop_start(cut.tokens[:-1], 3) is None

@@ -29,7 +29,7 @@ def test_defaults_are_exact() -> None:
     assert (train.init, train.pack, train.checkpoint, train.save_every, train.seed) == (
         "corpus", True, False, 0, 7)
     assert (chunks.chunk_min, chunks.chunk_max, chunks.conversations, chunks.heldout) == (
-        256, 512, 64, 8)
+        256, 512, 160, 16)
     assert chunks.seed == 7
     assert chunks.seed_types == ("structuring", "summarization", "question", "use_case",
                                  "creative", "mechanism", "verbatim")
