@@ -86,7 +86,7 @@ def test_recomputing_activations_gives_the_same_gradients():
     attention = lm.model.model.layers[0].self_attn
     for checkpoint in (False, True):
         count = [0]
-        hook = attention.register_forward_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        hook = attention.register_forward_hook(lambda *_, c=count: c.__setitem__(0, c[0] + 1))
         cart = Cartridge.from_rows(base.detached_rows())
         group_backward(lm.model, [cart], examples, packed=True, checkpoint=checkpoint)
         hook.remove()
