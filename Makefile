@@ -41,7 +41,8 @@ sql: setup
 	$(BIN)/cartridges sql "$(Q)"
 
 bench-synth: setup
-	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --json
+	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 64
+	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 160 --json
 
 equiv: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p $(P) --suffix-max 128

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cartridges.models import project
-from cartridges.prefix import forward_behind
+from cartridges.models import backbone, project
 
 
 def truncate_topk(logits: torch.Tensor, k: int, mass: float) -> list[tuple[list[int], list[float]]]:
@@ -29,19 +28,16 @@ def teacher_targets(
 ) -> list[list[tuple[list[int], list[float]]]]:
     """For each sequence, targets for tokens `start..end` (read from rows `start-1..end-1`).
 
-    Sequences run together, right-padded, in one forward of the backbone.
+    Each sequence runs alone through the backbone with the model's own causal
+    attention: no compute spent on padding, and no explicit mask, so attention can
+    take its causal fast path.
     """
     device = next(model.parameters()).device
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
-    mask = torch.zeros_like(ids)
-    for b, seq in enumerate(sequences):
-        ids[b, : len(seq)] = torch.tensor(seq, device=device)
-        mask[b, : len(seq)] = 1
-    hidden = forward_behind(model, [], ids, attention_mask=mask)
+    body = backbone(model)
     out = []
-    for b, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+    for seq, start in zip(sequences, starts, strict=True):
         if not 1 <= start < len(seq):
             raise ValueError(f"supervised start {start} outside sequence of length {len(seq)}")
-        out.append(truncate_topk(project(model, hidden[b, start - 1 : len(seq) - 1]), k, mass))
+        hidden = body(input_ids=torch.tensor([seq], device=device), use_cache=False).last_hidden_state[0]
+        out.append(truncate_topk(project(model, hidden[start - 1 : len(seq) - 1]), k, mass))
     return out
