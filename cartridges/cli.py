@@ -132,10 +132,13 @@ def require_corpus(args: argparse.Namespace) -> list[str]:
 
 @command("train")
 def cmd_train(args: argparse.Namespace) -> int:
+    from cartridges.corpus import expand, read_text
     from stages.report import summary_lines
 
     corpus = require_corpus(args)
     cfg = pipeline_config(args)
+    for path in expand(corpus, cfg.ingest.extensions):  # bad input fails here, before any run starts
+        read_text(path, cfg.ingest.max_bytes)
     force = list(STAGES) if args.force_all else (args.force or [])
     if args.no_prefect:
         from cartridges.models import load_model

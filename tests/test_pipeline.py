@@ -144,3 +144,16 @@ def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpu
     stages = [a["stage"] for a in listed["artifacts"]]
     assert stages.count("chunks") == 2 and all(a["status"] == "complete" for a in listed["artifacts"])
     assert [r["status"] for r in listed["runs"]] == ["complete"]
+
+
+@pytest.mark.parametrize("bad", ["missing", "binary"])
+def test_train_with_bad_corpus_is_one_line_and_starts_no_run(tmp_path, tiny_model_dir, capsys, bad):
+    from cartridges.cli import main
+
+    path = tmp_path / "c.md"
+    if bad == "binary":
+        path.write_bytes(b"\x00\x01\x02binary")
+    code = main(["train", "--model", str(tiny_model_dir), "--corpus", str(path), "--store", str(tmp_path / "s")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and str(path) in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "s" / "catalog.duckdb").exists() or Store(tmp_path / "s").catalog.artifacts() == []
