@@ -22,6 +22,7 @@ from storage.atomic import atomic_write_bytes
 
 FORMAT = "cartridges"
 FORMAT_VERSION = 1
+OPTIMIZER_FORMAT = "cartridges-optimizer"
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -68,19 +69,19 @@ def save_cartridge(path: str | Path, cart: Cartridge, fingerprint: dict, **meta)
     return path
 
 
-def _header(path: Path, data: bytes) -> dict:
+def _header(path: Path, data: bytes, fmt: str = FORMAT, kind: str = "cartridge") -> dict:
     if len(data) < 8:
-        raise CartridgeFileError(f"{path}: truncated ({len(data)} bytes), not a cartridge file")
+        raise CartridgeFileError(f"{path}: truncated ({len(data)} bytes), not a {kind} file")
     (size,) = struct.unpack("<Q", data[:8])
     if size > len(data) - 8:
         raise CartridgeFileError(f"{path}: truncated (header wants {size} bytes, file has {len(data) - 8})")
     try:
         header = json.loads(data[8 : 8 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CartridgeFileError(f"{path}: corrupted header, not a cartridge file ({exc})") from exc
+        raise CartridgeFileError(f"{path}: corrupted header, not a {kind} file ({exc})") from exc
     meta = header.get("__metadata__") or {}
-    if meta.get("format") != FORMAT:
-        raise CartridgeFileError(f"{path}: not a cartridge file (safetensors without cartridge metadata)")
+    if meta.get("format") != fmt:
+        raise CartridgeFileError(f"{path}: not a {kind} file (safetensors without {kind} metadata)")
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
         raise CartridgeFileError(
             f"{path}: format version {meta['format_version']} is newer than this build reads ({FORMAT_VERSION})"
@@ -88,19 +89,25 @@ def _header(path: Path, data: bytes) -> dict:
     return meta
 
 
-def load_cartridge(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Cartridge:
-    """Read a cartridge file; geometry comes from the tensors, facts from the metadata."""
-    path = Path(path)
+def _read(path: Path, fmt: str, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Header metadata and tensors of an intact file of format `fmt` (checksum verified)."""
     if not path.is_file():
-        raise CartridgeFileError(f"{path}: no such cartridge file")
+        raise CartridgeFileError(f"{path}: no such {kind} file")
     data = path.read_bytes()
-    header = _header(path, data)
+    header = _header(path, data, fmt, kind)
     try:
         tensors = st_load(data)
     except Exception as exc:  # safetensors raises its own error type for bad payloads
         raise CartridgeFileError(f"{path}: corrupted tensor data ({exc})") from exc
     if header.get("checksum") != _checksum(tensors):
         raise CartridgeFileError(f"{path}: checksum mismatch, the file is corrupted")
+    return header, tensors
+
+
+def load_cartridge(path: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Cartridge:
+    """Read a cartridge file; geometry comes from the tensors, facts from the metadata."""
+    path = Path(path)
+    header, tensors = _read(path, FORMAT, "cartridge")
     n = int(header["n_layers"])
     try:
         keys = [tensors[f"layers.{i}.keys"] for i in range(n)]
@@ -146,7 +153,7 @@ def save_optimizer(path: str | Path, opt: torch.optim.Optimizer, step: int, **me
             tensors[f"{i}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().contiguous()
             adam_step = int(state["step"])
     header = {
-        "format": "cartridges-optimizer", "format_version": "1", "step": str(step),
+        "format": OPTIMIZER_FORMAT, "format_version": "1", "step": str(step),
         "adam_step": str(adam_step), "n_params": str(len(params)),
         "meta": json.dumps(meta, sort_keys=True, default=str), "checksum": _checksum(tensors),
     }
@@ -158,17 +165,7 @@ def save_optimizer(path: str | Path, opt: torch.optim.Optimizer, step: int, **me
 def load_optimizer(path: str | Path, opt: torch.optim.Optimizer) -> dict:
     """Restore moments saved by `save_optimizer`; returns its metadata (step, meta)."""
     path = Path(path)
-    data = path.read_bytes() if path.is_file() else b""
-    if len(data) < 8:
-        raise CartridgeFileError(f"{path}: missing or truncated optimizer file")
-    (size,) = struct.unpack("<Q", data[:8])
-    try:
-        header = json.loads(data[8 : 8 + size]).get("__metadata__", {})
-        tensors = st_load(data)
-    except Exception as exc:
-        raise CartridgeFileError(f"{path}: corrupted optimizer file ({exc})") from exc
-    if header.get("format") != "cartridges-optimizer" or header.get("checksum") != _checksum(tensors):
-        raise CartridgeFileError(f"{path}: not an intact optimizer file (format or checksum mismatch)")
+    header, tensors = _read(path, OPTIMIZER_FORMAT, "optimizer")
     params = [p for group in opt.param_groups for p in group["params"]]
     if int(header["n_params"]) != len(params):
         raise GeometryError(f"{path}: holds moments for {header['n_params']} leaves, the cartridge has {len(params)}")
