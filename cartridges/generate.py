@@ -177,6 +177,15 @@ def _looped(tokens: list[int], span: int, seen: set[tuple[int, ...]]) -> bool:
     return False
 
 
+def loop_start(tokens: list[int], span: int) -> int | None:
+    """Index where a repeated `span`-token window first recurs; the same test `loop_span` stops on."""
+    seen: set[tuple[int, ...]] = set()
+    for end in range(span, len(tokens) + 1):
+        if _looped(tokens[:end], span, seen):
+            return end - span
+    return None
+
+
 def _generator(stream: Stream, device: torch.device) -> torch.Generator | None:
     if stream.temperature <= 0:
         return None

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
-from cartridges.generate import Stream, generate
+from cartridges.generate import Stream, generate, loop_start
 from cartridges.models import LoadedModel
 from cartridges.seeds import SEEDS, bot_a_prompt, clean_question, score_answer, score_message
 from schemas import TABLES, SynthConfig, validate_table
@@ -40,17 +40,6 @@ def question_stop_ids(tokenizer) -> tuple[int, ...]:
 
 # A bot B answer that repeats a span of this many tokens has started to loop.
 LOOP_SPAN = 10
-
-
-def loop_start(tokens: list[int], span: int = LOOP_SPAN) -> int | None:
-    """Index where a repeated `span`-token window first recurs (greedy decoding loops)."""
-    seen: set[tuple[int, ...]] = set()
-    for i in range(len(tokens) - span + 1):
-        window = tuple(tokens[i : i + span])
-        if window in seen:
-            return i
-        seen.add(window)
-    return None
 
 
 def chunk_context(chunk: dict, doc_names: dict[int, str], multi: bool, tokenizer) -> str:
@@ -94,7 +83,7 @@ def synthesize_group(
     for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
         row, ctx = rows[i], contexts[i]
         answer_tokens = list(gen.tokens)
-        cut = loop_start(answer_tokens)
+        cut = loop_start(answer_tokens, LOOP_SPAN)
         if cut is not None:  # keep the answer up to its loop; the repeats teach nothing but looping
             answer_tokens = answer_tokens[:cut]
         text = tok.decode([t for t in answer_tokens if t not in eot], skip_special_tokens=True)
