@@ -235,6 +235,29 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("eval")
+def cmd_eval(args: argparse.Namespace) -> int:
+    from cartridges.models import load_model
+    from cartridges.qa import read_questions
+    from stages import evaluate
+    from storage import Store
+
+    questions, problems = read_questions(args.qa)
+    for problem in problems:
+        print(f"skipped {problem}", file=sys.stderr)
+    if not args.cartridge and not args.corpus:
+        raise CartridgeError("eval: give --cartridge FILE and/or --corpus PATH (nothing to compare)")
+    lm = load_model(args.model, args.device)
+    result = evaluate.run(Store(args.store), lm, args.qa, questions, problems, args.cartridge or [],
+                          args.corpus or [], max_new=args.max_new, peers=not args.no_peers, force=args.force,
+                          log=lambda line: print(line, file=sys.stderr))
+    print(evaluate.markdown_report(result))
+    print(f"report: {result['report']}  chart: {result['chart']}"
+          + ("  (unchanged: reused the earlier eval)" if result["skipped"] else ""))
+    emit_json(args, result)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cartridges", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -276,6 +299,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sql", help="query the catalog: one view per table (latest complete version)")
     p.add_argument("query")
     p.add_argument("--store", default=None)
+    add_common(p)
+
+    p = sub.add_parser("eval", help="score a question file: bare, in-context, full-KV, cartridge, peers")
+    add_model_args(p)
+    p.add_argument("--qa", required=True, help="question file (.jsonl): multiple choice or free form")
+    p.add_argument("--cartridge", action="append", help="cartridge file (repeat to compose, in order)")
+    p.add_argument("--corpus", action="append", help="documents for the in-context and full-KV arms")
+    p.add_argument("--max-new", type=int, default=48, help="token budget of generated answers")
+    p.add_argument("--no-peers", action="store_true", help="skip the KV-compression peer arms")
+    p.add_argument("--force", action="store_true", help="rerun even when an identical eval exists")
+    p.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
     add_common(p)
 
     p = sub.add_parser("ask", help="answer behind cartridge(s), bare, and with the corpus in context")

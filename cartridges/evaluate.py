@@ -1,0 +1,211 @@
+"""Evaluation arms: the same questions answered with different things in front of them.
+
+An arm gives each question either prefix rows (bare: none; a cartridge; the
+document's full KV; a compressed KV; a fleet selection), answered on the path a
+cartridge is served on, or the document as ordinary context (ICL). Every arm is
+scored the same way: option log-likelihood and generated answers for multiple
+choice, answer NLL for free form, plus KV rows and time to first token.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from cartridges.chat import end_of_turn_ids
+from cartridges.generate import Stream, generate
+from cartridges.models import LoadedModel, cache_keyword
+from cartridges.prefix import Rows, prefix_cache, probe_geometry
+from cartridges.qa import Question
+from cartridges.scoring import (
+    bootstrap_ci,
+    choose_option,
+    context_ids,
+    gap_closure,
+    length_normalized_choice,
+    logprobs_behind,
+    logprobs_in_context,
+    native_context,
+    question_text,
+    replies,
+    reply_ids,
+    student_prompt,
+)
+
+TTFT_QUESTIONS = 3
+
+
+@dataclass
+class Arm:
+    """How one arm sees a question: prefix rows (served path) or context ids (ICL path).
+
+    `key` groups questions that share the same rows or context, so each is built once.
+    """
+
+    name: str
+    key: Callable[[Question], str]
+    rows: Callable[[Question], Rows] | None = None
+    context: Callable[[Question], list[int]] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Scored:
+    question: Question
+    correct: bool | None = None  # option log-likelihood (multiple choice)
+    correct_gen: bool | None = None  # generated answer, fuzzy-matched to an option
+    hit_limit: bool = False
+    nll: float | None = None  # mean per-token NLL of the reference (free form)
+    kv_rows: int = 0
+    reply: str = ""
+
+
+def _row_bytes(lm: LoadedModel) -> int:
+    """Bytes one cache row costs across all layers (keys and values)."""
+    per = torch.finfo(lm.dtype).bits // 8
+    return sum((hk * dk + hv * dv) * per for hk, dk, hv, dv in probe_geometry(lm.model))
+
+
+def _generate_in_context(lm: LoadedModel, context_rows: Rows, context: list[int], prompt: list[int],
+                         max_new: int, eot: list[int]) -> tuple[list[int], bool]:
+    """Greedy reply with the library's own `generate`, continuing the native context cache."""
+    ids = torch.tensor([context + prompt], device=lm.device)
+    out = lm.model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+        eos_token_id=eot, pad_token_id=eot[0], **{cache_keyword(lm.model): prefix_cache(context_rows, 1)},
+    )
+    tokens = [int(t) for t in out[0, ids.shape[1]:]]
+    stopped = bool(tokens) and tokens[-1] in eot
+    return tokens, not stopped and len(tokens) >= max_new
+
+
+def _ttft(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new: int = 48,
+              batch_size: int = 16) -> tuple[list[Scored], float]:
+    """Per-question scores and the median time to first token of this arm."""
+    tok = lm.tokenizer
+    eot = end_of_turn_ids(tok)
+    prompts = [student_prompt(tok, question_text(q)) for q in questions]
+    scored = [Scored(q) for q in questions]
+    groups: dict[str, list[int]] = {}
+    for i, q in enumerate(questions):
+        groups.setdefault(arm.key(q), []).append(i)
+    for idx in groups.values():
+        first = questions[idx[0]]
+        rows = arm.rows(first) if arm.rows else None
+        context = arm.context(first) if arm.context else None
+        context_rows = native_context(lm, context) if context else None
+        prefix = len(context) if context else (int(rows[0][0].shape[1]) if rows else 0)
+        for i in idx:
+            q, prompt = questions[i], prompts[i]
+            conts = [reply_ids(tok, prompt, r) for r in replies(q)]
+            if context_rows is not None:
+                sums = logprobs_in_context(lm, context_rows, prompt, conts)
+            else:
+                sums = logprobs_behind(lm, rows, prompt, conts)
+            s = scored[i]
+            s.kv_rows = prefix + len(prompt)
+            if q.multiple_choice:
+                s.correct = length_normalized_choice(sums, [len(c) for c in conts]) == q.answer
+            else:
+                s.nll = -sums[0] / len(conts[0])
+        if not any(questions[i].multiple_choice for i in idx):
+            continue
+        mc = [i for i in idx if questions[i].multiple_choice]
+        if context_rows is not None:
+            outs = [_generate_in_context(lm, context_rows, context, prompts[i], max_new, eot) for i in mc]
+        else:
+            gens = generate(lm.model, [Stream(prompts[i], max_new, stop_ids=tuple(eot)) for i in mc],
+                            batch_size=batch_size, prefix_rows=rows)
+            outs = [(g.tokens, g.finished == "length") for g in gens]
+        for i, (tokens, limit) in zip(mc, outs, strict=True):
+            text = tok.decode([t for t in tokens if t not in eot], skip_special_tokens=True).strip()
+            # "hit the limit" is judged on the re-tokenized text, as a reader would count it.
+            s = scored[i]
+            s.reply, s.hit_limit = text, limit and len(tok(text, add_special_tokens=False)["input_ids"]) >= max_new - 1
+            s.correct_gen = choose_option(text, questions[i].options) == questions[i].answer
+    return scored, _arm_ttft(lm, arm, questions, prompts, eot)
+
+
+def _arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts: list[list[int]],
+              eot: list[int]) -> float:
+    """Median seconds to the first answer token: ICL tokenizes and prefills its document;
+    a prefix arm prefills only the question behind rows that are already loaded."""
+    picks = list(range(min(TTFT_QUESTIONS, len(questions))))
+    times = []
+    for i in picks:
+        q = questions[i]
+        if arm.context is not None:
+            def run(q=q, i=i):
+                ids = arm.context(q) + prompts[i]
+                generate(lm.model, [Stream(ids, 1, stop_ids=tuple(eot))], batch_size=1)
+        else:
+            rows = arm.rows(q) if arm.rows else None
+
+            def run(i=i, rows=rows):
+                generate(lm.model, [Stream(prompts[i], 1, stop_ids=tuple(eot))], batch_size=1, prefix_rows=rows)
+        times.append(_ttft(run, 1))
+    return statistics.median(times) if times else float("nan")
+
+
+def summarize_arm(lm: LoadedModel, name: str, scored: Sequence[Scored], ttft: float, notes: list[str]) -> dict:
+    """One arm's figures: accuracy (log-likelihood and generated), intervals, NLL, KV cost, TTFT."""
+    mc = [s for s in scored if s.correct is not None]
+    ff = [s for s in scored if s.nll is not None]
+    out: dict = {"questions": len(scored), "kv_rows": statistics.mean(s.kv_rows for s in scored),
+                 "ttft_s": ttft, "notes": notes}
+    out["kv_bytes"] = out["kv_rows"] * _row_bytes(lm)
+    if mc:
+        acc = [float(s.correct) for s in mc]
+        gen = [float(bool(s.correct_gen)) for s in mc]
+        out.update(accuracy=statistics.mean(acc), accuracy_ci=bootstrap_ci(acc),
+                   accuracy_gen=statistics.mean(gen), accuracy_gen_ci=bootstrap_ci(gen),
+                   hit_limit=sum(s.hit_limit for s in mc), multiple_choice=len(mc))
+    if ff:
+        out.update(answer_nll=statistics.mean(s.nll for s in ff), free_form=len(ff))
+    return out
+
+
+def closure(arms: dict[str, dict], candidate: str) -> dict:
+    """ICL-gap closure of `candidate` on accuracy (or on answer NLL for free-form sets)."""
+    if "bare" not in arms or "icl" not in arms or candidate not in arms:
+        return {"value": None, "reason": "needs bare, icl and " + candidate + " arms"}
+    a, b, c = arms[candidate], arms["bare"], arms["icl"]
+    if "accuracy" in a:
+        value, reason = gap_closure(a["accuracy"], b["accuracy"], c["accuracy"], a["multiple_choice"])
+        return {"value": value, "reason": reason, "metric": "accuracy"}
+    value, reason = gap_closure(-a["answer_nll"], -b["answer_nll"], -c["answer_nll"], a["free_form"], 0)
+    if value is None and reason:
+        reason = "in-context NLL is not below bare NLL"
+    return {"value": value, "reason": reason, "metric": "answer_nll"}
+
+
+def document_context(lm: LoadedModel, text: str, reserve: int) -> tuple[list[int], int]:
+    """The ICL context ids for a document, cut to leave `reserve` positions, and how many were cut."""
+    ids = context_ids(lm.tokenizer, text)
+    room = lm.context_length - reserve
+    if room < 16:
+        raise ValueError(f"context window {lm.context_length} leaves no room for a document")
+    return (ids, 0) if len(ids) <= room else (ids[:room], len(ids) - room)
+
+
+def cached(fn: Callable[[str], object]) -> Callable[[str], object]:
+    memo: dict[str, object] = {}
+
+    def get(key: str):
+        if key not in memo:
+            memo[key] = fn(key)
+        return memo[key]
+    return get

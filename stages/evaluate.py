@@ -1,0 +1,244 @@
+"""Eval: score a question file on every arm and record it (``evals`` table, report, chart).
+
+Arms: ``bare`` (nothing in front), ``icl`` (the question's document in context,
+cut to the window), ``full_kv`` (that document's exact prefill KV written as a
+cartridge file and served on the cartridge path: the control that must score
+like ``icl``), ``cartridge`` (the files given, composed in order), and
+compression peers at the cartridge's KV budget (``knorm``: per layer and head,
+the lowest-norm keys of the full KV; ``first``: its first rows, i.e. the
+untrained corpus-init cartridge). An unchanged eval (same question file,
+cartridges, corpus, model and settings) is a fingerprint hit and is not rerun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from cartridges.cartridge import Cartridge, compose_rows
+from cartridges.corpus import expand, read_text
+from cartridges.errors import CorpusError
+from cartridges.evaluate import Arm, cached, closure, document_context, score_arm, summarize_arm
+from cartridges.files import check_fits, load_cartridge, save_cartridge
+from cartridges.models import LoadedModel, fingerprint_id
+from cartridges.prefix import capture_rows
+from cartridges.qa import Question
+from schemas import EVALS
+from storage import StageContext, Store
+
+NAME = "eval"
+VERSION = 1
+ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
+PEERS = ("knorm", "first")
+KVPRESS_NOTE = (
+    "kvpress presses (SnapKV, expected attention, knorm) not run: kvpress 0.5.5 requires "
+    "transformers<5.3, and with the installed transformers its forward hook fails with "
+    "KeyError 'past_key_values' (attention layers now receive the cache as `cache` and no "
+    "`cache_position`); knorm and first-rows are reimplemented on the cartridge path instead"
+)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def knorm_rows(rows, budget: int):
+    """Per layer and KV head, the `budget` rows whose keys have the smallest norm, in order."""
+    out = []
+    for k, v in rows:
+        keep = k.float().norm(dim=-1).topk(budget, dim=-1, largest=False).indices.sort(dim=-1).values
+        index = keep[..., None]
+        out.append((k.gather(1, index.expand(-1, -1, k.shape[-1])), v.gather(1, index.expand(-1, -1, v.shape[-1]))))
+    return out
+
+
+class Inputs:
+    """Arms over a model, cartridge files and documents; contexts and full KVs built once."""
+
+    def __init__(self, lm: LoadedModel, cartridges: list[str], docs: dict[str, str]) -> None:
+        self.lm, self.docs = lm, docs
+        self.truncated: dict[str, int] = {}  # document -> context tokens cut to fit the window
+        self.parts = []
+        for path in cartridges:
+            cart = load_cartridge(path, device=lm.device, dtype=lm.dtype)
+            check_fits(cart, lm.fingerprint, path)
+            self.parts.append(cart)
+        self.budget = sum(c.p for c in self.parts) or None
+        self.context = cached(self._context)
+        self.full_kv = cached(self._full_kv)
+
+    def doc_key(self, q: Question) -> str:
+        """The document a question is asked against; the whole corpus when it names none."""
+        return q.doc if q.doc in self.docs else "*corpus*"
+
+    def _context(self, key: str) -> list[int]:
+        text = self.docs.get(key) or "\n".join(self.docs.values())
+        ids, cut = document_context(self.lm, text, ANSWER_RESERVE)
+        self.truncated[key] = cut
+        return ids
+
+    def _full_kv(self, key: str):
+        """The context's exact KV, round-tripped through a cartridge file."""
+        lm = self.lm
+        rows = capture_rows(lm.model, torch.tensor(self.context(key), device=lm.device))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = save_cartridge(Path(tmp) / "full.safetensors", Cartridge.from_rows(rows, frozen=0),
+                                  lm.fingerprint, init="full_kv")
+            return load_cartridge(path, device=lm.device, dtype=lm.dtype).rows()
+
+    def arms(self, peers: bool = True) -> list[Arm]:
+        arms = [Arm("bare", key=lambda q: "", rows=lambda q: [])]
+        key = self.doc_key
+        if self.docs:
+            arms.append(Arm("icl", key=key, context=lambda q: self.context(key(q))))
+            arms.append(Arm("full_kv", key=key, rows=lambda q: self.full_kv(key(q))))
+        if self.parts:
+            rows = compose_rows(self.parts)
+            arms.append(Arm("cartridge", key=lambda q: "", rows=lambda q: rows))
+        if self.parts and self.docs and peers:
+            budget = self.budget
+            arms.append(Arm("knorm", key=key, rows=lambda q: knorm_rows(self.full_kv(key(q)), budget),
+                            notes=[KVPRESS_NOTE]))
+            arms.append(Arm("first", key=key, rows=lambda q: [(k[:, :budget], v[:, :budget])
+                                                              for k, v in self.full_kv(key(q))]))
+        return arms
+
+
+def select_questions(questions: list[Question], docs: dict[str, str]) -> tuple[list[Question], list[str]]:
+    """Questions this corpus can answer, and a note per skipped group."""
+    if not docs:
+        return questions, []
+    keep = [q for q in questions if q.doc is None or q.doc in docs]
+    others = sorted({q.doc for q in questions if q.doc is not None and q.doc not in docs})
+    notes = [f"skipped {len(questions) - len(keep)} questions about documents not in the corpus: "
+             + ", ".join(others)] if others else []
+    return keep, notes
+
+
+def read_docs(corpus: list[str]) -> dict[str, str]:
+    """Document name (file name) -> text, for matching questions' "doc" fields."""
+    docs: dict[str, str] = {}
+    for path in expand(corpus):
+        if path.name in docs:
+            raise CorpusError(f"{path}: two corpus files are named {path.name!r}; questions "
+                              "name documents by file name")
+        docs[path.name] = read_text(path)
+    return docs
+
+
+def _evals_rows(run_id: str, arms: dict[str, dict]) -> list[dict]:
+    rows = []
+    for arm, res in arms.items():
+        for metric in ("accuracy", "accuracy_gen", "answer_nll", "kv_rows", "kv_bytes", "ttft_s", "hit_limit"):
+            if metric in res and res[metric] is not None:
+                n = res.get("multiple_choice") or res.get("free_form") or res["questions"]
+                details = {k: res[k + "_ci"] for k in (metric,) if k + "_ci" in res}
+                rows.append({"run_id": run_id, "arm": arm, "metric": metric, "value": float(res[metric]),
+                             "n": int(n), "details": json.dumps(details)})
+    return rows
+
+
+def markdown_report(result: dict) -> str:
+    """The eval as a markdown table (one row per arm) with the ICL-gap closure."""
+    lines = [f"# Eval of {', '.join(result['cartridges']) or 'no cartridge'}", "",
+             f"Questions: {result['questions']} from `{result['qa']}`; "
+             f"documents: {', '.join(result['docs']) or 'none'}.", "",
+             "| arm | accuracy (95% CI) | accuracy_gen (95% CI) | hit limit | answer NLL | KV rows | KV MiB | TTFT ms |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def ci(res: dict, name: str) -> str:
+        if name not in res:
+            return "n/a"
+        lo, hi = res[name + "_ci"]
+        return f"{res[name]:.1%} ({lo:.0%}-{hi:.0%})"
+    for arm, res in result["arms"].items():
+        nll = f"{res['answer_nll']:.3f}" if "answer_nll" in res else "n/a"
+        lines.append(f"| {arm} | {ci(res, 'accuracy')} | {ci(res, 'accuracy_gen')} | {res.get('hit_limit', 'n/a')} "
+                     f"| {nll} | {res['kv_rows']:.0f} | {res['kv_bytes'] / 2**20:.1f} | {res['ttft_s'] * 1000:.0f} |")
+    c = result["icl_gap_closure"]
+    lines += ["", f"ICL-gap closure ({c.get('metric', 'n/a')}): "
+              + (f"{c['value']:.2f}" if c["value"] is not None else f"null ({c['reason']})")]
+    if result.get("compression"):
+        lines.append(f"KV compression vs ICL: {result['compression']:.1f}x fewer rows")
+    lines += [f"- {n}" for n in result["notes"] if n]
+    return "\n".join(lines) + "\n"
+
+
+def chart_png(result: dict, path: Path) -> None:
+    """Accuracy per arm with its 95% interval (or answer NLL for free-form sets)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result["arms"])
+    metric = "accuracy" if all("accuracy" in r for r in result["arms"].values()) else "answer_nll"
+    values = [result["arms"][n].get(metric, math.nan) for n in names]
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.2))
+    if metric == "accuracy":
+        cis = [result["arms"][n]["accuracy_ci"] for n in names]
+        err = [[v - lo for v, (lo, _) in zip(values, cis, strict=True)],
+               [hi - v for v, (_, hi) in zip(values, cis, strict=True)]]
+        ax.bar(names, values, yerr=err, capsize=4, color="#4a7db3")
+        ax.set_ylim(0, 1)
+    else:
+        ax.bar(names, values, color="#4a7db3")
+    ax.set_ylabel(metric)
+    ax.set_title(Path(result["qa"]).name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, format="png")
+    plt.close(fig)
+
+
+def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], problems: list[str],
+        cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True,
+        force: bool = False, run_id: str | None = None, log=print) -> dict:
+    """Score every arm (or reuse an identical earlier eval) and return the result dict."""
+    docs = read_docs(corpus) if corpus else {}
+    config = {
+        "qa": _sha(Path(qa)), "cartridges": [_sha(Path(c)) for c in cartridges],
+        "docs": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in docs.items()},
+        "model": fingerprint_id(lm.fingerprint), "max_new": max_new, "peers": peers,
+    }
+    result: dict = {}
+
+    def work(ctx: StageContext) -> None:
+        used, notes = select_questions(questions, docs)
+        if not used:
+            raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
+                              f"({', '.join(docs)})")
+        inputs = Inputs(lm, cartridges, docs)
+        arms = {}
+        for arm in inputs.arms(peers):
+            log(f"eval: arm {arm.name} ({len(used)} questions)")
+            scored, ttft = score_arm(lm, arm, used, max_new=max_new)
+            arms[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes)
+        notes += [f"{problem} (skipped)" for problem in problems]
+        notes += [f"ICL context of {d} cut by {n} tokens to fit the {lm.context_length}-token window"
+                  for d, n in inputs.truncated.items() if n]
+        if "knorm" in arms:
+            notes.append(KVPRESS_NOTE)
+        result.update(
+            qa=str(qa), cartridges=[str(c) for c in cartridges], docs=list(docs), questions=len(used),
+            arms=arms, icl_gap_closure=closure(arms, "cartridge"), notes=notes,
+            compression=(arms["icl"]["kv_rows"] / arms["cartridge"]["kv_rows"]
+                         if "icl" in arms and "cartridge" in arms else None),
+        )
+        ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id or ctx.artifact.id, arms), schema=EVALS))
+        ctx.write_file("result.json", json.dumps(result, indent=1).encode())
+        ctx.write_file("report.md", markdown_report(result).encode())
+        with ctx.atomic_path("chart.png") as tmp:
+            chart_png(result, tmp)
+
+    out = store.run(NAME, VERSION, config, [], work, force=force, run_id=run_id)
+    directory = store.dir(out)
+    if not result:
+        result.update(json.loads((directory / "result.json").read_text()))
+    result.update(skipped=out.skipped, report=str(directory / "report.md"), chart=str(directory / "chart.png"))
+    return result

@@ -1,0 +1,177 @@
+"""Evaluation: question files, option scoring, fuzzy matching, gap closure, the eval stage."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cartridges.cartridge import init_from_corpus
+from cartridges.evaluate import Arm, score_arm
+from cartridges.files import save_cartridge
+from cartridges.qa import QAError, Question, read_questions
+from cartridges.scoring import (
+    bootstrap_ci,
+    choose_option,
+    context_ids,
+    gap_closure,
+    length_normalized_choice,
+    logprobs_behind,
+    logprobs_in_context,
+    native_context,
+    reply_ids,
+    student_prompt,
+)
+from stages import evaluate
+from storage import Store
+from tests.tiny import tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    return tiny_llama()
+
+
+def test_malformed_lines_are_reported_by_number_and_skipped(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"question": "Q1?", "options": ["a", "b"], "answer": 1, "doc": "d.md"}),
+        "{not json",
+        json.dumps({"question": "Q2?", "options": ["a", "b"], "answer": 2}),
+        json.dumps({"question": "", "answer": "x"}),
+        "",
+        json.dumps({"question": "Q3?", "answer": "free text"}),
+        json.dumps(["a list"]),
+        json.dumps({"question": "Q4?", "options": ["a"], "answer": 0}),
+        json.dumps({"question": "Q5?", "options": ["a", "b"], "answer": True}),
+    ]))
+    questions, problems = read_questions(path)
+    assert [(q.line, q.multiple_choice) for q in questions] == [(1, True), (6, False)]
+    assert questions[0].doc == "d.md" and questions[1].answer == "free text"
+    assert [p.split(":")[1] for p in problems] == ["2", "3", "4", "7", "8", "9"]
+    assert "not JSON" in problems[0] and "0..1" in problems[1] and "non-empty" in problems[2]
+
+
+def test_a_file_without_usable_lines_is_an_error(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("oops\n")
+    with pytest.raises(QAError, match=r"no usable question lines .*q.jsonl:1"):
+        read_questions(path)
+    with pytest.raises(QAError, match="no such question file"):
+        read_questions(tmp_path / "missing.jsonl")
+
+
+def test_fuzzy_matching_reads_letters_and_option_text():
+    options = ["Raft uses randomized timeouts", "Paxos", "150-300 ms", "Two-phase commit"]
+    assert choose_option("C. 150-300 ms", options) == 2
+    assert choose_option("(B) Paxos", options) == 1
+    assert choose_option("The answer is 150-300 ms.", options) == 2
+    assert choose_option("randomized timeouts are used by raft", options) == 0
+    assert choose_option("I do not know what you mean", options) is None
+    assert choose_option("", options) is None
+    assert choose_option("E. none", options) is None  # a letter with no such option falls back to text
+
+
+def test_gap_closure_arithmetic_and_its_null_case():
+    value, reason = gap_closure(0.6, 0.4, 0.8, n=20)
+    assert reason is None and value == pytest.approx(0.5)
+    value, reason = gap_closure(0.5, 0.40, 0.45, n=20)  # ICL ahead by one question only
+    assert value is None and "1 of 20" in reason
+    value, _ = gap_closure(0.9, 0.4, 0.8, n=10)  # above ICL: closure > 1 is reported as is
+    assert value == pytest.approx(1.25)
+
+
+def test_length_normalization_and_bootstrap_interval():
+    assert length_normalized_choice([-4.0, -3.0], [4, 1]) == 0  # -1.0/token beats -3.0/token
+    lo, hi = bootstrap_ci([1.0] * 6 + [0.0] * 4)
+    assert lo < 0.6 < hi and 0 <= lo and hi <= 1
+    reference = np.random.default_rng(0).integers(0, 10, size=(2000, 10))
+    x = np.array([1.0] * 6 + [0.0] * 4)
+    assert (lo, hi) == (np.percentile(x[reference].mean(1), 2.5), np.percentile(x[reference].mean(1), 97.5))
+    assert bootstrap_ci([1.0, 1.0]) == (1.0, 1.0)
+
+
+def _dense_logprob(lm, ids: list[int], start: int) -> float:
+    """Reference: one ordinary forward over the whole sequence, summing log p of ids[start:]."""
+    with torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([ids])).logits[0].double()
+    logq = torch.log_softmax(logits, dim=-1)
+    return float(sum(logq[i - 1, ids[i]] for i in range(start, len(ids))))
+
+
+def test_both_scoring_paths_equal_a_dense_forward(tiny_lm):
+    tok = tiny_lm.tokenizer
+    document = "The zebra code is 4417. " * 3
+    context = context_ids(tok, document)
+    prompt = student_prompt(tok, "What is the zebra code?")
+    conts = [reply_ids(tok, prompt, r) for r in ("4417", "no idea at all")]
+    rows = native_context(tiny_lm, context)
+    behind = logprobs_behind(tiny_lm, rows, prompt, conts)
+    native = logprobs_in_context(tiny_lm, rows, prompt, conts)
+    for cont, a, b in zip(conts, behind, native, strict=True):
+        ref = _dense_logprob(tiny_lm, context + prompt + cont, len(context) + len(prompt))
+        assert a == pytest.approx(ref, abs=1e-4) and b == pytest.approx(ref, abs=1e-4)
+    bare = logprobs_behind(tiny_lm, [], prompt, conts)
+    for cont, a in zip(conts, bare, strict=True):
+        assert a == pytest.approx(_dense_logprob(tiny_lm, prompt + cont, len(prompt)), abs=1e-4)
+
+
+def _planted(tiny_lm):
+    """Two options of equal length; the planted rows make option 0 far likelier."""
+    tok = tiny_lm.tokenizer
+    question = Question(1, "Which?", 0, ("xq", "zv"), "doc.md")
+    prompt = student_prompt(tok, "Which?\nA. xq\nB. zv\nAnswer with the letter and text of the correct option.")
+    reply = reply_ids(tok, prompt, "A. xq")
+    # A prefix that repeats the whole exchange many times: a copying model continues it.
+    context = (prompt + reply) * 6
+    return question, native_context(tiny_lm, context)
+
+
+def test_option_scoring_follows_the_context(tiny_lm):
+    question, rows = _planted(tiny_lm)
+    wrong = Question(1, "Which?", 1, question.options, "doc.md")
+    with_rows = Arm("rows", key=lambda q: "", rows=lambda q: rows)
+    (right,), _ = score_arm(tiny_lm, with_rows, [question], max_new=4)
+    (flipped,), _ = score_arm(tiny_lm, with_rows, [wrong], max_new=4)
+    assert right.correct is True and flipped.correct is False
+
+
+def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_lm, tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("The zebra code is 4417. The lion code is 9021. " * 8)
+    qa = tmp_path / "q.jsonl"
+    qa.write_text("\n".join(json.dumps(x) for x in [
+        {"doc": "doc.md", "question": "What is the zebra code?", "options": ["4417", "9021"], "answer": 0},
+        {"doc": "doc.md", "question": "What is the lion code?", "options": ["4417", "9021"], "answer": 1},
+        {"doc": "other.md", "question": "Unrelated?", "options": ["a", "b"], "answer": 0},
+        {"doc": "doc.md", "question": "What is the zebra code?", "answer": "4417"},
+    ]) + "\nbroken\n")
+    cart = init_from_corpus(tiny_lm, doc.read_text(), p=16)
+    path = save_cartridge(tmp_path / "c.safetensors", cart, tiny_lm.fingerprint)
+    questions, problems = read_questions(qa)
+    store = Store(tmp_path / "store")
+    result = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
+                          max_new=4, log=lambda _: None)
+    assert set(result["arms"]) == {"bare", "icl", "full_kv", "cartridge", "knorm", "first"}
+    assert result["questions"] == 3
+    assert any("other.md" in n for n in result["notes"]) and any(":5: not JSON" in n for n in result["notes"])
+    icl, full = result["arms"]["icl"], result["arms"]["full_kv"]
+    assert icl["accuracy"] == full["accuracy"]
+    assert icl["answer_nll"] == pytest.approx(full["answer_nll"], abs=1e-4)
+    assert result["arms"]["cartridge"]["kv_rows"] < icl["kv_rows"]
+    for arm in ("knorm", "first"):
+        assert result["arms"][arm]["kv_rows"] == result["arms"]["cartridge"]["kv_rows"]
+    assert "metric" in result["icl_gap_closure"]
+    report = (tmp_path / "store").rglob("report.md")
+    assert "| icl |" in next(report).read_text()
+    assert next((tmp_path / "store").rglob("chart.png")).read_bytes()[:4] == b"\x89PNG"
+    from storage.sql import query
+    cols, rows = query(tmp_path / "store", "SELECT arm, value FROM evals WHERE metric = 'accuracy' ORDER BY arm")
+    assert dict(rows)["icl"] == icl["accuracy"]
+    again = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
+                         max_new=4, log=lambda _: None)
+    assert again["skipped"] and again["arms"]["icl"]["accuracy"] == icl["accuracy"]
+    assert not math.isnan(again["arms"]["bare"]["ttft_s"])
