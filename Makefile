@@ -59,4 +59,5 @@ clean:
 bench-train: setup
 	$(BIN)/python -m bench.bench_train --json
 
-bench: bench-synth bench-train
+bench: setup
+	$(BIN)/python -m bench.run_all --json

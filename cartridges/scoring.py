@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from cartridges.chat import chat_ids, end_of_turn_ids, without_system
 from cartridges.models import LoadedModel, backbone, cache_keyword, project
@@ -118,9 +117,6 @@ def logprobs_in_context(lm: LoadedModel, context_cache: Rows, prompt: list[int],
                  **{cache_keyword(target): cache})
     return _sum_logprobs(lm.model, out.last_hidden_state, len(prompt), continuations)
 
-
-def fresh_cache(context_cache: Rows) -> DynamicCache:
-    return prefix_cache(context_cache, 1)
 
 
 def choose_option(reply: str, options: Sequence[str], min_ratio: float = 0.5) -> int | None:

@@ -12,6 +12,7 @@ from schemas.configs import (
     TrainConfig,
 )
 from schemas.tables import (
+    BENCHMARKS,
     CHUNKS,
     CONVERSATIONS,
     DOCUMENTS,
@@ -32,6 +33,7 @@ __all__ = [
     "CHUNKS",
     "CONVERSATIONS",
     "DOCUMENTS",
+    "BENCHMARKS",
     "EVALS",
     "INDEX_CHUNKS",
     "INITS",

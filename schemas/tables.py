@@ -68,6 +68,11 @@ EVALS = _schema("evals", 1, [
     _f("n", _I32), _f("details", _STR),
 ])
 
+BENCHMARKS = _schema("benchmarks", 1, [
+    _f("benchmark", _STR), _f("metric", _STR), _f("value", _F64), _f("compares", _STR),
+    _f("goal", _STR), _f("measured_at", _STR), _f("quick", pa.bool_()),
+])
+
 INDEX_CHUNKS = _schema("index_chunks", 1, [
     _f("chunk_id", _I64), _f("doc_id", _I32), _f("doc_name", _STR),
     _f("start", _I32), _f("end", _I32), _f("text", _BIG),
@@ -81,7 +86,8 @@ RUNS = _schema("runs", 1, [
 
 TABLES: dict[str, pa.Schema] = {
     s.metadata[b"table"].decode(): s
-    for s in (DOCUMENTS, CHUNKS, CONVERSATIONS, TARGETS, TRAIN_STEPS, EVALS, INDEX_CHUNKS, RUNS)
+    for s in (DOCUMENTS, CHUNKS, CONVERSATIONS, TARGETS, TRAIN_STEPS, EVALS, BENCHMARKS, INDEX_CHUNKS,
+              RUNS)
 }
 
 # Columns whose values are a closed set; checked so a typo never reaches Parquet.

@@ -28,6 +28,7 @@ STAGE_TABLES: dict[str, str] = {
     "teacher": "targets",
     "train": "train_steps",
     "eval": "evals",
+    "bench": "benchmarks",
     "index": "index_chunks",
 }
 CATALOG_TABLES = ("artifacts", "runs", "meta")
