@@ -65,3 +65,14 @@ def test_documented_make_targets_exist(doc, line):
 
 def test_the_docs_show_commands_at_all():
     assert len([c for c in CASES if cli_args(c[1]) is not None]) >= 10
+
+
+def test_every_table_and_column_is_documented():
+    from schemas import TABLES
+
+    text = (ROOT / "docs" / "TABLES.md").read_text()
+    for name, schema in TABLES.items():
+        assert f"## {name} " in text or f"## {name}\n" in text, f"docs/TABLES.md: no section for {name}"
+        section = text.split(f"## {name}", 1)[1].split("\n## ", 1)[0]
+        for field in schema:
+            assert f"`{field.name}`" in section, f"docs/TABLES.md: {name}.{field.name} undocumented"
