@@ -1,0 +1,33 @@
+"""Render docs/CLI.md from the argument parser, so the reference cannot drift from the code.
+
+Run `python -m cartridges.cli_docs > docs/CLI.md` after changing a command; a test
+compares the file with this output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cartridges.cli import build_parser
+
+WIDTH = 100
+
+
+def render() -> str:
+    os.environ["COLUMNS"] = str(WIDTH)  # argparse wraps help text to the terminal width
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {c.dest: c.help for c in subs._choices_actions}
+    lines = ["# Command reference", "",
+             "Generated from the parser by `python -m cartridges.cli_docs`; every command takes",
+             "`--debug` (tracebacks), and those that report figures take `--json` (one JSON object",
+             "as the last line). User errors print one line `error: ...` and exit 2.", ""]
+    for name, sub in subs.choices.items():
+        sub.prog = f"cartridges {name}"
+        lines += [f"## `cartridges {name}`", "", helps.get(name) or "", "", "```", sub.format_help().rstrip(), "```", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render(), end="")
