@@ -69,6 +69,18 @@ def fleet_files(paths: list[str | Path], config: IngestConfig = IngestConfig()) 
     return out
 
 
+def check_target(directory: str | Path, resume: bool) -> None:
+    """A new fleet needs a new or empty directory; `resume` needs an existing fleet."""
+    directory = Path(directory)
+    if (directory / MANIFEST).exists():
+        if not resume:
+            raise FleetError(f"{directory}: already holds a fleet; pass --resume to continue or update it")
+    elif resume:
+        raise FleetError(f"{directory}: no fleet to resume (no {MANIFEST})")
+    elif directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise FleetError(f"{directory}: exists and is not an empty directory; choose a new --fleet directory")
+
+
 def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: FleetConfig, resume: bool,
             log: Callable[[str], None] = print) -> dict:
     """Create or reconcile the fleet directory; new and changed documents get corpus-init cartridges.
@@ -80,19 +92,14 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
         if doc["tokens"] < config.chunk_min:
             raise CorpusError(f"{doc['path']}: {doc['tokens']} tokens, a fleet document needs at least "
                               f"chunk_min={config.chunk_min}")
+    check_target(directory, resume)
     if (directory / MANIFEST).exists():
-        if not resume:
-            raise FleetError(f"{directory}: already holds a fleet; pass --resume to continue or update it")
         manifest = read_manifest(directory)
         check_model(manifest, lm.fingerprint, directory)
         if (manifest.p, manifest.frozen) != (config.p, config.frozen):
             raise FleetError(f"{directory}: fleet has p={manifest.p}, frozen={manifest.frozen}; "
                              f"this run asks for p={config.p}, frozen={config.frozen}")
     else:
-        if resume:
-            raise FleetError(f"{directory}: no fleet to resume (no {MANIFEST})")
-        if directory.exists() and any(directory.iterdir()):
-            raise FleetError(f"{directory}: exists and is not empty; choose a new or empty --fleet directory")
         manifest = Manifest(model=lm.fingerprint, p=config.p, frozen=config.frozen, seed=config.seed,
                             embedding=contract(config.embed_chunk))
     directory.mkdir(parents=True, exist_ok=True)

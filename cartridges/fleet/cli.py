@@ -68,7 +68,7 @@ def fleet_config(args: argparse.Namespace):
 
 @command("fleet")
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from stages.fleet import fleet_files
+    from stages.fleet import check_target, fleet_files
     from stages.fleet_report import summary_lines
 
     docs = [d for group in (args.docs or []) for d in group]
@@ -79,6 +79,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
     for path in fleet_files(docs, cfg.ingest):  # bad input fails here, before any run starts
         read_text(path, cfg.ingest.max_bytes)
+    check_target(args.fleet, args.resume)
     if args.no_prefect:
         from cartridges.models import load_model
         from stages.fleet import run_fleet
