@@ -113,8 +113,10 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
         if entry is not None and entry.sha256 == doc["sha256"]:
             entries.append(entry)
             continue
-        doc_id = entry.doc_id if entry is not None else next_id
-        next_id += doc_id == next_id
+        if entry is not None:
+            doc_id = entry.doc_id
+        else:
+            doc_id, next_id = next_id, next_id + 1
         fresh = DocEntry(doc_id, doc["name"], doc["sha256"], doc["tokens"])
         try:
             res = new_resident(lm, fresh, doc["text"], config.p, config.frozen, config.lr)
@@ -130,7 +132,7 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
     incremental = bool(initialized) and bool(trained_before)
     trainable = sorted(initialized) if incremental else sorted(e.doc_id for e in entries)
     kept = [r for r in manifest.residents if r in set(trainable)]
-    if incremental or not kept or removed:
+    if incremental or removed or len(kept) != min(config.budget, len(trainable)):
         residents = initial_residents({d: manifest.by_id()[d].steps for d in trainable}, config.budget)
     else:
         residents = kept
