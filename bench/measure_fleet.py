@@ -4,7 +4,7 @@ retrieval top-1 accuracy, and the collapse check (p_iso 1.0 vs 0.75, distractors
 Each arm trains its own fleet of the same documents from the same corpus-init cartridges;
 "init" is the untrained fleet (rounds 0). Co-loaded losses put 2 distractors beside the
 target (chosen and placed by a keyed draw per document, the same in every arm).
-Run: `python -m bench.measure_fleet --out DIR [--seeds 7 8] [--json]`.
+Run: `python -m bench.measure_fleet --out DIR [--seeds 7] [--json]`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from stages.fleet import run_fleet
 from storage import Store
 
 DOCS = ["README.md", "docs/PIPELINE.md", "docs/corpus/deflate.md", "docs/eval/raft.md"]
-BUDGET = {"p": 64, "budget": 3, "rotate_every": 4, "rounds": 12, "accum": 2, "lr": 5e-3, "warmup": 4,
+BUDGET = {"p": 64, "budget": 3, "rotate_every": 4, "rounds": 8, "accum": 2, "lr": 5e-3, "warmup": 4,
           "chunk_min": 128, "chunk_max": 256, "heldout": 3, "embed_chunk": 256,
           "synth": {"max_q": 32, "max_a": 64, "gen_batch": 8}}
 ARMS = {
@@ -56,7 +56,7 @@ def retrieval(store: Store, lm, fleet_dir: Path, cfg) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="artifacts/measure-fleet")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[7, 8])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[7])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)

@@ -174,8 +174,8 @@ def run_fleet(
         evaluate = config.rounds > 0 or bool(state["initialized"])
         heldout = {}
         if evaluate and config.heldout:
-            for doc_id, doc in docs_by_id.items():
-                art = call(fleet_data.heldout_data, store, lm, doc, config, model_id, run_id)
+            for doc_id in state["trainable"]:
+                art = call(fleet_data.heldout_data, store, lm, docs_by_id[doc_id], config, model_id, run_id)
                 heldout[doc_id] = fleet_data.examples(store, art)
         trainer = FleetTrainer(directory, lm, manifest, config, state["trainable"], state["residents"])
         for doc_id in state["initialized"]:
