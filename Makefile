@@ -12,7 +12,7 @@ Q ?= SELECT seed_type, count(*) AS n FROM conversations GROUP BY 1 ORDER BY 1
 DEMO_CORPUS ?= README.md docs/PIPELINE.md
 DEMO_CARTRIDGE ?= artifacts/demo.safetensors
 
-.PHONY: setup demo test lint equiv cartridge sql bench bench-synth bench-train clean
+.PHONY: setup demo test lint equiv cartridge fleet sql bench bench-synth bench-train clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,14 @@ demo: setup
 cartridge: setup
 	$(BIN)/cartridges train --corpus $(CORPUS) --p $(P) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
 		--save artifacts/$(notdir $(basename $(CORPUS))).safetensors
+
+# One cartridge per document plus a retrieval index; a rerun updates the same fleet
+# (changed documents retrain, removed ones leave). FLEET_ARGS passes further options.
+DOCS ?= README.md docs/PIPELINE.md docs/corpus/deflate.md docs/eval/raft.md
+FLEET ?= artifacts/fleet
+FLEET_ARGS ?=
+fleet: setup
+	$(BIN)/cartridges fleet --docs $(DOCS) --fleet $(FLEET) $(if $(wildcard $(FLEET)/fleet.json),--resume) $(FLEET_ARGS)
 
 sql: setup
 	$(BIN)/cartridges sql "$(Q)"

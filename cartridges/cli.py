@@ -227,11 +227,18 @@ def cmd_sql(args: argparse.Namespace) -> int:
 def cmd_ask(args: argparse.Namespace) -> int:
     from cartridges.ask import ask_arms
 
-    results = ask_arms(args.model, args.device, args.cartridge or [], args.question, args.corpus or [], args.max_new)
+    question = args.question or args.question_text
+    if not question:
+        raise CartridgeError("a question is required (positional or --question)")
+    if args.fleet:
+        from cartridges.fleet.cli import ask_fleet
+
+        return ask_fleet(args, question)
+    results = ask_arms(args.model, args.device, args.cartridge or [], question, args.corpus or [], args.max_new)
     for arm in results:
         print(f"--- {arm['arm']}: {arm['kv_rows']} KV rows, time to first token {arm['ttft_s'] * 1000:.0f} ms")
         print(arm["answer"])
-    emit_json(args, {"question": args.question, "arms": results})
+    emit_json(args, {"question": question, "arms": results})
     return 0
 
 
@@ -316,9 +323,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--cartridge", action="append", help="cartridge file (repeat to compose, in order)")
     p.add_argument("--corpus", action="append", help="corpus for the in-context arm")
-    p.add_argument("--question", "-q", required=True)
+    p.add_argument("--question", "-q", default=None)
+    p.add_argument("question_text", nargs="?", default=None, help="the question (or --question)")
+    p.add_argument("--fleet", default=None, help="fleet directory: answer behind its selected cartridges")
+    p.add_argument("--rag-docs", type=int, default=None, help="documents to compose (default: the fleet's rag_docs)")
+    p.add_argument("--oracle", action="append", help="bypass retrieval: compose this document (repeatable)")
     p.add_argument("--max-new", type=int, default=128)
     add_common(p)
+
+    from cartridges.fleet.cli import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

@@ -19,3 +19,7 @@ class CartridgeFileError(CartridgeError):
 
 class GeometryError(CartridgeError):
     """A cartridge does not fit a model, or parts of a composition disagree."""
+
+
+class FleetError(CartridgeError):
+    """A fleet directory is missing, corrupted, or does not match the model or documents."""

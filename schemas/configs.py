@@ -235,3 +235,70 @@ class PipelineConfig(_Config):
     synth: SynthConfig = dataclasses.field(default_factory=SynthConfig)
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+
+DISTRACTOR_MODES: tuple[str, ...] = ("train", "frozen")
+TARGET_MODES: tuple[str, ...] = ("tokens", "balanced")
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetConfig(_Config):
+    """A fleet: one cartridge per document, trained jointly under a residency budget."""
+
+    # cartridges
+    p: int = 256
+    frozen: int = 1
+    # budget manager
+    budget: int = 4
+    rotate_every: int = 10
+    evict_frac: float = 0.5
+    warmup: int = 8
+    # mixed visibility
+    p_iso: float = 0.75
+    distract_max: int = 3
+    distractors: str = "train"
+    targets: str = "tokens"  # "tokens": drawn proportional to tokens; "balanced": least-trained
+    # rounds of self-study: one optimizer group of `accum` conversations per round
+    rounds: int = 20
+    accum: int = 4
+    lr: float = 2e-3
+    pack: bool = True
+    chunk_min: int = 256
+    chunk_max: int = 512
+    heldout: int = 4  # held-out conversations per document
+    seed: int = 7
+    # retrieval
+    embed_chunk: int = 256
+    rag_docs: int = 2
+    rag_chunks: int = 8
+    synth: SynthConfig = dataclasses.field(default_factory=SynthConfig)
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
+    ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig)
+
+    def validate(self) -> None:
+        if self.p < 1:
+            raise _bad(self, "p", "must be >= 1")
+        if not 0 <= self.frozen < self.p:
+            raise _bad(self, "frozen", f"must be in [0, p) with p={self.p}")
+        for name in ("budget", "rotate_every", "accum", "embed_chunk", "rag_docs", "rag_chunks"):
+            if getattr(self, name) < 1:
+                raise _bad(self, name, "must be >= 1")
+        for name in ("warmup", "distract_max", "rounds", "heldout", "seed"):
+            if getattr(self, name) < 0:
+                raise _bad(self, name, "must be >= 0")
+        if not 0 < self.evict_frac <= 1:
+            raise _bad(self, "evict_frac", "must be in (0, 1]")
+        if not 0 <= self.p_iso <= 1:
+            raise _bad(self, "p_iso", "must be in [0, 1]")
+        if self.distractors not in DISTRACTOR_MODES:
+            raise _bad(self, "distractors", f"must be one of {list(DISTRACTOR_MODES)}")
+        if self.targets not in TARGET_MODES:
+            raise _bad(self, "targets", f"must be one of {list(TARGET_MODES)}")
+        if self.lr <= 0:
+            raise _bad(self, "lr", "must be > 0")
+        if self.chunk_min < 16:
+            raise _bad(self, "chunk_min", "must be >= 16")
+        if self.chunk_max < self.chunk_min:
+            raise _bad(self, "chunk_max", f"must be >= chunk_min ({self.chunk_min})")
+        if self.rag_chunks < self.rag_docs:
+            raise _bad(self, "rag_chunks", f"must be >= rag_docs ({self.rag_docs})")

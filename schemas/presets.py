@@ -32,3 +32,31 @@ def preset(name: str, overrides: dict | None = None) -> PipelineConfig:
     for section, values in (overrides or {}).items():
         merged.setdefault(section, {}).update(values)
     return PipelineConfig.from_dict(merged)
+
+
+FLEET_PRESETS: dict[str, dict] = {
+    "default": {},
+    # A few minutes per document on a 2-core CPU with the default model.
+    "demo": {"p": 128, "chunk_min": 256, "chunk_max": 384, "heldout": 4,
+             "synth": {"max_q": 48, "max_a": 128}},
+    # Seconds, for tests on tiny models.
+    "smoke": {"p": 16, "budget": 2, "rotate_every": 2, "rounds": 4, "accum": 2, "warmup": 2,
+              "chunk_min": 32, "chunk_max": 64, "heldout": 1, "embed_chunk": 64,
+              "synth": {"max_q": 12, "max_a": 16, "gen_batch": 4, "filter": False},
+              "teacher": {"batch": 4}},
+}
+
+
+def fleet_preset(name: str, overrides: dict | None = None):
+    """A fleet preset with field overrides applied (nested sections merge)."""
+    from schemas.configs import ConfigError, FleetConfig
+
+    if name not in FLEET_PRESETS:
+        raise ConfigError(f"fleet preset: unknown preset {name!r}; known: {', '.join(FLEET_PRESETS)}")
+    merged = {k: (dict(v) if isinstance(v, dict) else v) for k, v in FLEET_PRESETS[name].items()}
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict):
+            merged.setdefault(key, {}).update(value)
+        else:
+            merged[key] = value
+    return FleetConfig.from_dict(merged)

@@ -1,0 +1,129 @@
+"""`cartridges fleet` (train, update or re-index a fleet) and `cartridges ask --fleet`."""
+
+from __future__ import annotations
+
+import argparse
+
+from cartridges.cli import add_common, add_model_args, command, emit_json
+from cartridges.errors import CartridgeError
+
+# CLI option -> (FleetConfig field or "section.field", type).
+FLEET_OPTIONS: list[tuple[str, str, type]] = [
+    ("--budget", "budget", int), ("--rotate-every", "rotate_every", int), ("--evict-frac", "evict_frac", float),
+    ("--warmup", "warmup", int), ("--p-iso", "p_iso", float), ("--distract-max", "distract_max", int),
+    ("--rounds", "rounds", int), ("--accum", "accum", int), ("--lr", "lr", float),
+    ("--embed-chunk", "embed_chunk", int), ("--rag-docs", "rag_docs", int), ("--rag-chunks", "rag_chunks", int),
+    ("--p", "p", int), ("--frozen", "frozen", int), ("--chunk-min", "chunk_min", int),
+    ("--chunk-max", "chunk_max", int), ("--heldout", "heldout", int), ("--seed", "seed", int),
+    ("--max-q", "synth.max_q", int), ("--max-a", "synth.max_a", int), ("--gen-batch", "synth.gen_batch", int),
+    ("--temperature-a", "synth.temperature_a", float), ("--top-k", "teacher.top_k", int),
+    ("--top-mass", "teacher.top_mass", float),
+]
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("fleet", help="train a fleet: one cartridge per document, a retrieval index")
+    add_model_args(p)
+    p.add_argument("--docs", action="append", nargs="+", help="document files or directories (top-level .md/.txt)")
+    p.add_argument("--fleet", required=True, help="fleet directory")
+    p.add_argument("--resume", action="store_true", help="continue or update an existing fleet")
+    p.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
+    p.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
+    for flag, field, kind in FLEET_OPTIONS:
+        p.add_argument(flag, type=kind, default=None, dest=f"fleet__{field.replace('.', '__')}", help=field)
+    p.add_argument("--distractors", choices=("train", "frozen"), default=None,
+                   help="co-loaded distractors take optimizer steps (train) or stay constant (frozen)")
+    p.add_argument("--targets", choices=("tokens", "balanced"), default=None,
+                   help="round targets drawn proportional to tokens, or the least-trained resident")
+    p.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
+    p.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
+    p.add_argument("--eval-distractors", type=int, default=0,
+                   help="also score each document's held-out loss with this many distractors co-loaded")
+    p.add_argument("--no-prefect", action="store_true", help="call the steps directly, without a Prefect flow run")
+    add_common(p)
+
+
+def fleet_config(args: argparse.Namespace):
+    from schemas.presets import fleet_preset
+
+    overrides: dict = {}
+    for _flag, field, _kind in FLEET_OPTIONS:
+        value = getattr(args, f"fleet__{field.replace('.', '__')}")
+        if value is None:
+            continue
+        if "." in field:
+            section, name = field.split(".")
+            overrides.setdefault(section, {})[name] = value
+        else:
+            overrides[field] = value
+    for name in ("distractors", "targets"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.no_filter:
+        overrides.setdefault("synth", {})["filter"] = False
+    if args.no_pack:
+        overrides["pack"] = False
+    return fleet_preset(args.preset, overrides)
+
+
+@command("fleet")
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from stages.fleet import check_target, fleet_files
+    from stages.fleet_report import summary_lines
+
+    docs = [d for group in (args.docs or []) for d in group]
+    if not docs:
+        raise CartridgeError("--docs is required: document files or directories")
+    cfg = fleet_config(args)
+    from cartridges.corpus import read_text
+
+    for path in fleet_files(docs, cfg.ingest):  # bad input fails here, before any run starts
+        read_text(path, cfg.ingest.max_bytes)
+    check_target(args.fleet, args.resume)
+    if args.no_prefect:
+        from cartridges.models import load_model
+        from stages.fleet import run_fleet
+        from storage import Store
+
+        summary = run_fleet(Store(args.store), load_model(args.model, args.device), docs, args.fleet, cfg,
+                            resume=args.resume, eval_distractors=args.eval_distractors)
+    else:
+        from flows.fleet import fleet_flow
+
+        summary = fleet_flow(docs=[str(d) for d in docs], fleet=args.fleet, config=cfg.to_dict(), model=args.model,
+                             device=args.device, store_root=args.store, resume=args.resume,
+                             eval_distractors=args.eval_distractors)
+    for line in summary_lines(summary):
+        print(line)
+    emit_json(args, summary)
+    return 0
+
+
+def ask_fleet(args: argparse.Namespace, question: str) -> int:
+    """Answer behind the fleet's selected cartridges, beside the bare answer."""
+    from cartridges.ask import answer, student_prompt
+    from cartridges.fleet.api import Fleet
+    from cartridges.models import load_model
+
+    lm = load_model(args.model, args.device)
+    fleet = Fleet.open(args.fleet, lm)
+    if args.oracle:
+        for name in args.oracle:
+            fleet.manifest.entry(name)
+        chosen = [(name, None) for name in args.oracle]
+    else:
+        chosen = fleet.search(question, args.rag_docs)
+    names = [n for n, _ in chosen]
+    prompt = student_prompt(lm.tokenizer, question)
+    rows = fleet.rows(names)
+    text, ttft = answer(lm, prompt, rows, args.max_new)
+    bare, bare_ttft = answer(lm, prompt, None, args.max_new)
+    how = "oracle" if args.oracle else "retrieved"
+    print(f"selected ({how}): " + ", ".join(n if s is None else f"{n} ({s:.3f})" for n, s in chosen))
+    print(f"--- fleet: {fleet.prefix_length(names) + len(prompt)} KV rows, time to first token {ttft * 1000:.0f} ms")
+    print(text)
+    print(f"--- bare: {len(prompt)} KV rows, time to first token {bare_ttft * 1000:.0f} ms")
+    print(bare)
+    emit_json(args, {"question": question, "selected": names, "scores": [s for _, s in chosen],
+                     "selection": how, "answer": text, "bare_answer": bare, "ttft_s": ttft})
+    return 0

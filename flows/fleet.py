@@ -1,0 +1,40 @@
+"""The `fleet` flow: documents to a trained fleet directory, each step a Prefect task.
+
+Prefect's own task caching is off (`cache_policy=NONE`): the catalog's fingerprints
+are the one cache. Runs with ephemeral Prefect when no server is configured.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NONE
+from prefect.utilities.annotations import quote
+
+from cartridges.models import load_model
+from schemas import FleetConfig
+from stages.fleet import run_fleet
+from stages.fleet_report import markdown_summary
+from storage import Store
+
+
+def as_task(fn, *args, **kwargs):
+    """Run one step as a Prefect task named after the function (arguments passed untouched)."""
+    name = getattr(fn, "__name__", "step").strip("_")
+    wrapped = task(fn, name=name, cache_policy=NONE, persist_result=False)
+    return wrapped(*[quote(a) for a in args], **{k: quote(v) for k, v in kwargs.items()})
+
+
+@flow(name="fleet", log_prints=True)
+def fleet_flow(
+    docs: list[str], fleet: str, config: dict | None = None, model: str | None = None, device: str | None = None,
+    store_root: str | None = None, resume: bool = False, eval_distractors: int = 0,
+) -> dict:
+    cfg = FleetConfig.from_dict(config or {})
+    store = Store(store_root)
+    lm = load_model(model, device)
+    summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
+                        eval_distractors=eval_distractors)
+    create_markdown_artifact(markdown=markdown_summary(summary), key="fleet-summary",
+                             description="fleet training run")
+    return summary

@@ -1,0 +1,236 @@
+"""The fleet job as plain function calls: documents -> per-document cartridges -> rounds -> index.
+
+`call` wraps each step; the Prefect flow `fleet` passes a wrapper that runs the step as
+a task, tests pass none. Nothing here knows about Prefect.
+
+A fleet directory is created by a first run; later runs need `resume=True` and then
+(1) drop documents no longer given, (2) re-initialize documents whose content
+changed and initialize new ones, and (3) train: when some documents are new or
+changed, only those train (the others' files stay byte-identical); otherwise the
+whole fleet continues from its saved rows, moments, step counters and residents.
+`rounds=0` trains nothing, so a resume with it rebuilds only the retrieval index.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from cartridges.errors import CorpusError, FleetError
+from cartridges.fleet.budget import initial_residents
+from cartridges.fleet.index import build_index, contract
+from cartridges.fleet.manifest import (
+    MANIFEST,
+    DocEntry,
+    Manifest,
+    check_model,
+    prune,
+    read_manifest,
+    write_manifest,
+)
+from cartridges.fleet.plan import keyed_seed
+from cartridges.fleet.residents import new_resident, save_resident
+from cartridges.models import LoadedModel, fingerprint_id
+from schemas import TABLES, FleetConfig, IngestConfig, validate_table
+from stages import fleet_data, ingest
+from stages.fleet_train import FleetTrainer
+from storage import Store
+
+NAME = "fleet"
+VERSION = 1
+Call = Callable[..., Any]
+
+
+def _plain(fn: Callable, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def fleet_files(paths: list[str | Path], config: IngestConfig = IngestConfig()) -> list[Path]:
+    """Each file given, and each top-level .md/.txt file of each directory given, in order."""
+    if not paths:
+        raise CorpusError("no documents given (--docs FILE_OR_DIR ...)")
+    out: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in config.extensions)
+            if not found:
+                raise CorpusError(f"{path}: directory has no top-level {'/'.join(config.extensions)} files")
+            out += found
+        elif path.exists():
+            out.append(path)
+        else:
+            raise CorpusError(f"{path}: no such file or directory")
+    return out
+
+
+def check_target(directory: str | Path, resume: bool) -> None:
+    """A new fleet needs a new or empty directory; `resume` needs an existing fleet."""
+    directory = Path(directory)
+    if (directory / MANIFEST).exists():
+        if not resume:
+            raise FleetError(f"{directory}: already holds a fleet; pass --resume to continue or update it")
+    elif resume:
+        raise FleetError(f"{directory}: no fleet to resume (no {MANIFEST})")
+    elif directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise FleetError(f"{directory}: exists and is not an empty directory; choose a new --fleet directory")
+
+
+def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: FleetConfig, resume: bool,
+            log: Callable[[str], None] = print) -> dict:
+    """Create or reconcile the fleet directory; new and changed documents get corpus-init cartridges.
+
+    Returns {"manifest", "initialized" (doc ids), "removed" (names), "trainable", "residents"}.
+    """
+    directory = Path(directory)
+    for doc in documents:
+        if doc["tokens"] < config.chunk_min:
+            raise CorpusError(f"{doc['path']}: {doc['tokens']} tokens, a fleet document needs at least "
+                              f"chunk_min={config.chunk_min}")
+    check_target(directory, resume)
+    if (directory / MANIFEST).exists():
+        manifest = read_manifest(directory)
+        check_model(manifest, lm.fingerprint, directory)
+        if (manifest.p, manifest.frozen) != (config.p, config.frozen):
+            raise FleetError(f"{directory}: fleet has p={manifest.p}, frozen={manifest.frozen}; "
+                             f"this run asks for p={config.p}, frozen={config.frozen}")
+    else:
+        manifest = Manifest(model=lm.fingerprint, p=config.p, frozen=config.frozen, seed=config.seed,
+                            embedding=contract(config.embed_chunk))
+    directory.mkdir(parents=True, exist_ok=True)
+    given = {d["name"]: d for d in documents}
+    old = manifest.by_name()
+    removed = sorted(set(old) - set(given))
+    next_id = max([d.doc_id for d in manifest.documents], default=-1) + 1
+    entries, initialized = [], []
+    for doc in documents:
+        entry = old.get(doc["name"])
+        if entry is not None and entry.sha256 == doc["sha256"]:
+            entries.append(entry)
+            continue
+        if entry is not None:
+            doc_id = entry.doc_id
+        else:
+            doc_id, next_id = next_id, next_id + 1
+        fresh = DocEntry(doc_id, doc["name"], doc["sha256"], doc["tokens"])
+        try:
+            res = new_resident(lm, fresh, doc["text"], config.p, config.frozen, config.lr)
+        except CorpusError as exc:
+            raise CorpusError(f"{doc['path']}: {exc}") from exc
+        save_resident(directory, lm, fresh, res)
+        entries.append(fresh)
+        initialized.append(doc_id)
+        log(f"{'re-initialized' if entry is not None else 'initialized'} {doc['name']} (doc {doc_id})")
+    manifest.documents = sorted(entries, key=lambda e: e.doc_id)
+    manifest.config = config.to_dict()
+    trained_before = [e.doc_id for e in entries if e.doc_id not in initialized]
+    incremental = bool(initialized) and bool(trained_before)
+    trainable = sorted(initialized) if incremental else sorted(e.doc_id for e in entries)
+    kept = [r for r in manifest.residents if r in set(trainable)]
+    if incremental or removed or len(kept) != min(config.budget, len(trainable)):
+        residents = initial_residents({d: manifest.by_id()[d].steps for d in trainable}, config.budget)
+    else:
+        residents = kept
+    manifest.residents = residents
+    write_manifest(directory, manifest)
+    prune(directory, manifest)
+    return {"manifest": manifest, "initialized": initialized, "removed": removed,
+            "trainable": trainable, "residents": residents}
+
+
+def eval_parts(doc_id: int, others: list[int], n: int, seed: int) -> tuple[list[int], int]:
+    """`n` distractors for a document and the target's position among them (keyed, reproducible)."""
+    rng = random.Random(keyed_seed(seed, "eval", doc_id))
+    chosen = rng.sample(sorted(others), min(n, len(others)))
+    return chosen, rng.randint(0, len(chosen))
+
+
+def run_fleet(
+    store: Store, lm: LoadedModel, docs: list[str | Path], directory: str | Path,
+    config: FleetConfig = FleetConfig(), resume: bool = False, call: Call = _plain,
+    log: Callable[[str], None] = print, eval_distractors: int = 0,
+) -> dict:
+    """Build, update or continue a fleet and its index; returns the run summary."""
+    directory = Path(directory)
+    files = fleet_files(docs, config.ingest)
+    model_id = fingerprint_id(lm.fingerprint)
+    run_id = store.catalog.start_run(NAME)
+    started = time.perf_counter()
+    try:
+        docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest, tokenizer_id=model_id, run_id=run_id)
+        documents = store.table(docs_art).to_pylist()
+        state = call(prepare, lm, documents, directory, config, resume, log)
+        manifest: Manifest = state["manifest"]
+        by_name = {d["name"]: d for d in documents}
+        token_ids = {d["name"]: list(lm.tokenizer(d["text"], add_special_tokens=False)["input_ids"]) for d in documents}
+        docs_by_id = {e.doc_id: {"doc_id": e.doc_id, "name": e.name, "sha256": e.sha256,
+                                 "token_ids": token_ids[e.name], "text": by_name[e.name]["text"]}
+                      for e in manifest.documents}
+        evaluate = config.rounds > 0 or bool(state["initialized"])
+        heldout = {}
+        if evaluate and config.heldout:
+            for doc_id in state["trainable"]:
+                art = call(fleet_data.heldout_data, store, lm, docs_by_id[doc_id], config, model_id, run_id)
+                heldout[doc_id] = fleet_data.examples(store, art)
+        trainer = FleetTrainer(directory, lm, manifest, config, state["trainable"], state["residents"])
+        for doc_id in state["initialized"]:
+            entry = manifest.by_id()[doc_id]
+            entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
+        rows = []
+        first = manifest.rounds
+        for r in range(first, first + config.rounds):
+            plan = trainer.plan(r)
+            art = call(fleet_data.round_data, store, lm, plan, docs_by_id[plan.target], config, model_id, run_id)
+            row = call(trainer.train, plan, fleet_data.examples(store, art))
+            rows.append({"run_id": run_id, **row})
+            log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  loss {row['loss']:.4f}  "
+                f"lr {row['lr']:.2e}")
+        trainer.checkpoint()
+        per_doc = []
+        for entry in manifest.documents:
+            item = {"name": entry.name, "doc_id": entry.doc_id, "steps": entry.steps,
+                    "heldout_before": entry.heldout_before, "changed": entry.doc_id in state["initialized"]}
+            if evaluate and entry.doc_id in state["trainable"]:
+                item["heldout_after"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []))
+                if eval_distractors:
+                    others = [d for d in trainer.entries if d != entry.doc_id]
+                    chosen, pos = eval_parts(entry.doc_id, others, eval_distractors, config.seed)
+                    item["heldout_coloaded"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []),
+                                                                    chosen, pos)
+            per_doc.append(item)
+        if rows:
+            call(record_steps, store, rows, directory, config, run_id)
+        manifest.index = call(index, lm, list(docs_by_id.values()), directory, config)
+        write_manifest(directory, manifest)
+        prune(directory, manifest)
+        summary = {"run_id": run_id, "fleet": str(directory), "rounds_run": len(rows), "rounds": manifest.rounds,
+                   "residents": [trainer.entries[d].name for d in trainer.residents],
+                   "removed": state["removed"], "documents": per_doc, "losses": [r["loss"] for r in rows],
+                   "steps_table": rows, "index_chunks": manifest.index["n_chunks"],
+                   "seconds": time.perf_counter() - started}
+        store.catalog.finish_run(run_id, "complete", {k: v for k, v in summary.items() if k != "steps_table"})
+        return summary
+    except BaseException as exc:
+        store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
+        raise
+
+
+def record_steps(store: Store, rows: list[dict], directory: Path, config: FleetConfig, run_id: str):
+    """This run's rounds as the `train_steps` table: one shard per round."""
+    def work(ctx) -> None:
+        for row in rows:
+            table = pa.Table.from_pylist([row], schema=TABLES["train_steps"])
+            ctx.write_shard(row["step"], validate_table("train_steps", table), table="train_steps")
+
+    cfg = {"fleet": str(Path(directory).resolve()), "run_id": run_id, "config": config.to_dict()}
+    return store.run(NAME, VERSION, cfg, [], work, run_id=run_id)
+
+
+def index(lm: LoadedModel, documents: list[dict], directory: Path, config: FleetConfig) -> dict:
+    """Build the retrieval index files; returns the manifest's index entry."""
+    return build_index(lm.model, lm.tokenizer, documents, config.embed_chunk, directory)
