@@ -5,68 +5,43 @@ is the same whatever the number of chunks planned, and a larger run extends a
 smaller one instead of reshuffling it.
 
 Held-out chunks must never overlap training chunks, so each document long
-enough to spare it reserves one region: ``max(ceil(HELDOUT_FRAC * tokens), chunk_min)``
+enough to spare it reserves a tail: ``max(ceil(0.1 * tokens), chunk_min)``
 tokens, taken only when at least ``chunk_min`` tokens remain for training (so a
-region is at most ``tokens - chunk_min``, and a document needs ``2 * chunk_min``
-tokens to have one). The region sits at a position keyed by (seed, document),
-never leaving a training segment shorter than ``chunk_min`` on either side, so
-different seeds hold out different sections instead of always the document's
-end (often a conclusion or reference list that says little about the rest).
-Training spans come from the segments around the region, each span inside one
-segment; held-out spans only from inside it. Documents too short to reserve are
+tail is at most ``tokens - chunk_min``, and a document needs ``2 * chunk_min``
+tokens to have one). Training spans come only from the part before the tail,
+held-out spans only from inside it. Documents too short to reserve are
 training-only; with ``heldout == 0`` nothing is reserved.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cartridges import spans
 from cartridges.errors import CorpusError
 from schemas import CHUNKS, ChunkConfig, ConfigError
 from stages.ingest import tokenizer_identity
 from storage import Artifact, StageContext, StageResult, Store, StoreError, done_shards
 
 NAME = "chunks"
-VERSION = 2
-HELDOUT_FRAC = 0.1
+VERSION = 1
 HELDOUT_ID_BASE = 1_000_000_000  # chunk_id of held-out chunk i is HELDOUT_ID_BASE + i
 SHARD_ROWS = 4096
 DEFAULT_CONFIG = ChunkConfig()
 
 
 def heldout_reserve(tokens: int, config: ChunkConfig) -> int:
-    """Tokens of a document kept for held-out chunks; 0 when it cannot spare them."""
-    if config.heldout == 0:
-        return 0
-    want = max(math.ceil(HELDOUT_FRAC * tokens), config.chunk_min)
-    return want if tokens - want >= config.chunk_min else 0
+    """Tokens at the end of a document kept for held-out chunks; 0 when it cannot spare them."""
+    return spans.heldout_reserve(tokens, config.chunk_min, config.heldout)
 
 
 def chunk_seed(seed: int, split: str, index: int) -> int:
     """A non-negative int64 seed for one chunk (also usable by later stages for that chunk)."""
-    digest = hashlib.sha256(f"{seed}:{split}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def heldout_region(doc_id: int, tokens: int, config: ChunkConfig) -> tuple[int, int]:
-    """[start, end) of a document's held-out region; (tokens, tokens) when it has none.
-
-    The start is drawn among positions that leave each training side either
-    empty or at least ``chunk_min`` tokens long.
-    """
-    size = heldout_reserve(tokens, config)
-    if not size:
-        return tokens, tokens
-    rest, low = tokens - size, config.chunk_min
-    starts = [0, rest] + list(range(low, rest - low + 1))
-    rng = random.Random(chunk_seed(config.seed, "heldout-region", doc_id))
-    start = rng.choice(sorted(set(starts)))
-    return start, start + size
+    return spans.keyed_seed(seed, split, index)
 
 
 def _check(lengths: list[tuple[int, int]], config: ChunkConfig) -> None:
@@ -95,20 +70,21 @@ def plan_spans(lengths: list[tuple[int, int]], config: ChunkConfig) -> list[dict
     """
     lengths = [(int(d), int(n)) for d, n in lengths if n > 0]
     _check(lengths, config)
-    regions = {d: heldout_region(d, n, config) for d, n in lengths}
-    segments = {  # split -> [(doc_id, lo, hi)], the spans each split may draw from
-        "train": [(d, lo, hi) for d, n in lengths
-                  for lo, hi in ((0, regions[d][0]), (regions[d][1], n)) if hi > lo],
-        "heldout": [(d, *regions[d]) for d, _ in lengths if regions[d][1] > regions[d][0]],
-    }
+    reserve = {d: heldout_reserve(n, config) for d, n in lengths}
+    total = {d: n for d, n in lengths}
     rows = []
     for split, count in (("train", config.conversations), ("heldout", config.heldout)):
-        pool = segments[split]
-        weights = [hi - lo for _, lo, hi in pool]
+        pool = lengths if split == "train" else [(d, n) for d, n in lengths if reserve[d]]
+        ids = [d for d, _ in pool]
+        weights = [n for _, n in pool]
         for index in range(count):
             rng_seed = chunk_seed(config.seed, split, index)
             rng = random.Random(rng_seed)
-            doc, lo, hi = rng.choices(pool, weights=weights)[0]
+            doc = rng.choices(ids, weights=weights)[0]
+            if split == "train":
+                lo, hi = 0, total[doc] - reserve[doc]
+            else:
+                lo, hi = total[doc] - reserve[doc], total[doc]
             size = min(rng.randint(config.chunk_min, config.chunk_max), hi - lo)
             start = lo + rng.randint(0, hi - lo - size)
             rows.append({

@@ -33,9 +33,9 @@ from cartridges.fleet.manifest import (
     read_manifest,
     write_manifest,
 )
-from cartridges.fleet.plan import keyed_seed
 from cartridges.fleet.residents import new_resident, save_resident
 from cartridges.models import LoadedModel, fingerprint_id
+from cartridges.spans import keyed_seed
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
 from stages import fleet_data, ingest
 from stages.fleet_train import FleetTrainer

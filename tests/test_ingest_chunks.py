@@ -11,13 +11,7 @@ import pytest
 from cartridges.errors import CorpusError
 from schemas import SEED_TYPES, ChunkConfig, IngestConfig
 from stages import chunks, ingest
-from stages.chunks import (
-    HELDOUT_ID_BASE,
-    heldout_region,
-    heldout_reserve,
-    plan_chunks,
-    plan_spans,
-)
+from stages.chunks import HELDOUT_ID_BASE, heldout_reserve, plan_chunks, plan_spans
 from storage import Store
 from tests.tiny import tiny_tokenizer
 
@@ -218,28 +212,7 @@ def test_heldout_spans_never_overlap_train_spans():
     assert tiny and all((t["start"], t["end"]) == (0, 20) for t in tiny)
 
 
-def test_heldout_region_moves_with_the_seed_and_leaves_trainable_sides():
-    starts = set()
-    for seed in range(40):
-        cfg = CFG.replace(seed=seed)
-        start, end = heldout_region(0, 3000, cfg)
-        assert end - start == heldout_reserve(3000, cfg)
-        for side in (start, 3000 - end):  # each training side is empty or fits a chunk
-            assert side == 0 or side >= cfg.chunk_min
-        starts.add(start)
-        rows = plan_spans([(0, 3000)], cfg.replace(conversations=200, heldout=4))
-        train = [r for r in rows if r["split"] == "train"]
-        assert all(r["end"] <= start or r["start"] >= end for r in train)
-        assert all(start <= r["start"] and r["end"] <= end
-                   for r in rows if r["split"] == "heldout")
-        if start >= cfg.chunk_min and 3000 - end >= cfg.chunk_min:  # both sides get trained
-            assert any(r["end"] <= start for r in train)
-            assert any(r["start"] >= end for r in train)
-    assert len(starts) > 20  # not pinned to the document's end
-    assert heldout_region(0, 63, CFG) == (63, 63)  # too short: no region
-
-
-def test_reserved_region_sizes():
+def test_reserved_tail_sizes():
     assert heldout_reserve(3000, CFG) == 300  # 10% of the document
     assert heldout_reserve(400, CFG) == 40  # 10%, above chunk_min
     assert heldout_reserve(100, CFG) == 32  # at least chunk_min

@@ -12,29 +12,12 @@ other residents co-load and the target's place among them is shuffled too.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from cartridges.spans import heldout_reserve, keyed_seed
 from schemas import SEED_TYPES, FleetConfig
-
-HELDOUT_FRAC = 0.1  # the same tail rule as the pipeline's chunk planner
-
-
-def keyed_seed(*key: object) -> int:
-    """A non-negative int64 seed for one item, from its key."""
-    digest = hashlib.sha256(":".join(str(k) for k in key).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def heldout_reserve(tokens: int, chunk_min: int, heldout: int) -> int:
-    """Tokens at the end of a document kept for held-out chunks (0 when it cannot spare them)."""
-    if heldout == 0:
-        return 0
-    want = max(math.ceil(HELDOUT_FRAC * tokens), chunk_min)
-    return want if tokens - want >= chunk_min else 0
 
 
 @dataclass(frozen=True)
