@@ -87,8 +87,9 @@ def parse_chat(raw: bytes, config: ServeConfig) -> ChatParams:
     try:
         req = ChatRequest.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(part) for part in err["loc"])
+        errors = exc.errors()
+        err = max(errors, key=lambda e: len(e["loc"]))  # the deepest: the union member that came closest
+        param = _param(err["loc"])
         raise bad_request(f"{param}: {err['msg']} (got {_brief(err.get('input'))})", param=param,
                           code="invalid_value") from exc
     _reject_unsupported(req)
@@ -128,6 +129,16 @@ def _text(message: Message) -> str:
     if isinstance(message.content, str):
         return message.content
     return "".join(part.text for part in message.content)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc: tuple) -> str:
+    """The field path of a validation error, without pydantic's union-member tags (`str`, `list[...]`)."""
+    parts = [str(part) for part in loc
+             if isinstance(part, int) or (part.isidentifier() and part.islower() and part not in _TYPE_TAGS)]
+    return ".".join(parts)
 
 
 def _brief(value: object) -> str:
