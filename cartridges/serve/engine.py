@@ -159,7 +159,8 @@ class Engine:
                 f"max_tokens={params.max_tokens} does not fit: {p} prefix rows + {n} prompt tokens leave "
                 f"{room} of the model's {context}-token context", param="max_tokens", code="context_length_exceeded"))
             return
-        max_new = params.max_tokens if params.max_tokens is not None else min(self.config.default_max_tokens, room)
+        default = min(self.config.default_max_tokens, self.config.max_tokens_cap, room)
+        max_new = params.max_tokens if params.max_tokens is not None else default
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         job.selection = sel
         job.stream = Stream(sel.prompt, max_new, temperature=params.temperature, top_p=params.top_p,
