@@ -13,10 +13,11 @@ import socket
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 import uvicorn
 
-from cartridges.errors import CartridgeError
+from cartridges.errors import CartridgeError, CartridgeFileError
 from cartridges.models import LoadedModel, load_model
 from cartridges.serve.app import create_app
 from cartridges.serve.engine import Engine
@@ -106,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     config = serve_config(args)
+    for path in args.cartridge:  # before the model loads: a typo should fail fast
+        if not Path(path).is_file():
+            raise CartridgeFileError(f"{path}: no such cartridge file")
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, args.device)

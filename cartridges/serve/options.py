@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 
@@ -26,7 +27,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="cartridge file (repeat to compose, in order)")
     parser.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /admin")
+    parser.add_argument("--api-key", default=os.environ.get("CARTRIDGES_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $CARTRIDGES_API_KEY)")
     parser.add_argument("--max-batch", type=int, default=d.max_batch, help="streams decoding at once")
     parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot")
     parser.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
