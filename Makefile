@@ -11,8 +11,12 @@ CONVERSATIONS ?=
 Q ?= SELECT seed_type, count(*) AS n FROM conversations GROUP BY 1 ORDER BY 1
 DEMO_CORPUS ?= README.md docs/PIPELINE.md
 DEMO_CARTRIDGE ?= artifacts/demo.safetensors
+HOST ?= 127.0.0.1
+PORT ?= 8080
+DOC ?=
+CARTRIDGE ?=
 
-.PHONY: setup demo test lint equiv cartridge fleet sql bench bench-synth bench-train clean
+.PHONY: setup demo test lint equiv cartridge fleet sql serve bench bench-synth bench-train bench-serve clean
 
 setup: $(STAMP)
 
@@ -48,6 +52,10 @@ fleet: setup
 sql: setup
 	$(BIN)/cartridges sql "$(Q)"
 
+serve: setup
+	@test -f $(DEMO_CARTRIDGE) || { echo "$(DEMO_CARTRIDGE) is missing: run 'make demo' first"; exit 2; }
+	$(BIN)/cartridges serve --cartridge $(DEMO_CARTRIDGE) --host $(HOST) --port $(PORT)
+
 bench-synth: setup
 	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 64
 	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 160 --json
@@ -66,6 +74,9 @@ clean:
 
 bench-train: setup
 	$(BIN)/python -m bench.bench_train --json
+
+bench-serve: setup
+	$(BIN)/python -m bench.bench_serve $(addprefix --doc ,$(DOC)) $(if $(CARTRIDGE),--cartridge $(CARTRIDGE)) --json
 
 bench: setup
 	$(BIN)/python -m bench.run_all --json

@@ -47,6 +47,12 @@ BENCHES = (
           (("teacher_speedup", "teacher pass (top-k of supervised rows) vs full logits", "> 1x"),
            ("train_packed_over_flat", "packed group forward vs one forward per conversation", ">= 1x")),
           ("teacher_tokens_per_s", "train_packed_tokens_per_s", "train_flat_tokens_per_s")),
+    Bench("serving", "bench.bench_serve", (),
+          ("--max-new", "4", "--concurrency", "2", "--sequential", "1", "--p", "16"),
+          (("ttft_ratio", "time to first token: document in the prompt vs behind the cartridge", ">= 20x"),
+           ("kv_bytes_ratio", "KV bytes per request: document in the prompt vs cartridge", ""),
+           ("concurrency_throughput_ratio", "decode tokens/s: 16 concurrent requests vs 1", ">= 4x")),
+          ("kv_bytes_icl", "kv_bytes_cartridge")),
 )
 
 

@@ -265,6 +265,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+@command("serve")
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cartridges.serve.main import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cartridges", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -334,6 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     from cartridges.fleet.cli import add_parsers
 
     add_parsers(sub)
+
+    from cartridges.serve.options import add_serve_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server answering behind cartridge(s)")
+    add_model_args(p)
+    add_serve_args(p)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
     return parser
 
 

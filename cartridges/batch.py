@@ -1,0 +1,344 @@
+"""A running lockstep batch: streams join behind their own prefix rows, decode together, leave.
+
+This is the one decode-step implementation. `generate` fills a batch once and runs it
+dry; the server keeps one batch running and lets requests join and leave between steps.
+
+Layout: one cache `[B, H, T, d]` per layer shared by all running streams. A stream
+that joins is prefilled (left-padded, behind its prefix rows) and its rows are placed
+right-aligned in the batch, so every decode step writes the same column for all
+streams; columns a stream may not read (another stream's padding) are masked, and
+positions are per stream (its own prefix length plus its tokens so far). Streams may
+sit behind different prefixes of different lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache
+
+from cartridges.models import cache_keyword, project
+from cartridges.prefix import Rows, forward_behind, prefix_length, read_cache
+
+if TYPE_CHECKING:
+    from cartridges.generate import Stream
+
+
+@dataclass
+class Running:
+    """A stream's state inside a batch; `finished` is set when it leaves."""
+
+    stream: Stream
+    tag: Any = None
+    tokens: list[int] = field(default_factory=list)
+    margins: list[float] = field(default_factory=list)
+    finished: str = ""  # "", or "stop", "length", "loop"
+    prefix_rows: int = 0
+    keep_kv: bool = False
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with keep_kv: its rows when it left
+    generator: torch.Generator | None = field(default=None, repr=False)
+    windows: set[tuple[int, ...]] = field(default_factory=set, repr=False)
+
+
+class Batch:
+    """Streams decoding in lockstep: one forward per step for all of them.
+
+    Every running stream has pending logits between steps: `join` prefills new streams
+    (their first choice comes from the prefill), `choose` picks a token for every stream
+    and retires the finished ones, `advance` runs one decode forward for the rest.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.keyword = cache_keyword(model)
+        self.states: list[Running] = []
+        self.cache: BatchCache | None = None
+        self.allowed = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, T] readable columns
+        self.positions = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] next position
+        self.logits: torch.Tensor | None = None  # [B, vocab] pending choice
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    @property
+    def width(self) -> int:
+        return int(self.allowed.shape[1])
+
+    def join(
+        self, streams: Sequence[Stream], prefix_rows: Rows | None = None, tags: Sequence[Any] | None = None,
+        keep_kv: bool = False,
+    ) -> list[Running]:
+        """Prefill `streams` behind one shared prefix in one left-padded forward and add them."""
+        if not streams:
+            return []
+        rows = list(prefix_rows) if prefix_rows is not None else []
+        p = prefix_length(rows)
+        lengths = [len(s.prompt) for s in streams]
+        width = max(lengths)
+        ids = torch.zeros(len(streams), width, dtype=torch.long)
+        real = torch.zeros(len(streams), width, dtype=torch.bool)
+        for r, stream in enumerate(streams):
+            ids[r, width - lengths[r] :] = torch.tensor(stream.prompt, dtype=torch.long)
+            real[r, width - lengths[r] :] = True
+        ids, real = ids.to(self.device), real.to(self.device)
+        with torch.no_grad():
+            hidden, filled = forward_behind(self.model, rows, ids, attention_mask=real.long(), use_cache=True)
+            # Only the last row of each stream is projected: [B, L, vocab] is never built.
+            logits = project(self.model, hidden[:, -1])
+        del hidden
+        allowed = torch.cat([torch.ones(len(streams), p, dtype=torch.bool, device=self.device), real], dim=1)
+        positions = torch.tensor([p + n for n in lengths], dtype=torch.long, device=self.device)
+        tags = list(tags) if tags is not None else [None] * len(streams)
+        new = [
+            Running(stream=s, tag=t, prefix_rows=p, keep_kv=keep_kv, generator=_generator(s, self.device))
+            for s, t in zip(streams, tags, strict=True)
+        ]
+        # Room for every token any stream may still write, so steps never regrow the cache.
+        room = max(s.max_new for s in streams) - 1
+        room = max([room] + [st.stream.max_new - len(st.tokens) for st in self.states])
+        layers = read_cache(filled)
+        del filled
+        if self.cache is None or not self.states:
+            self.cache = BatchCache(layers, room)
+            self.allowed, self.positions, self.logits = allowed, positions, logits
+        else:
+            self.cache.extend(layers, room)
+            total = self.cache.length
+            self.allowed = torch.cat([_pad_left(self.allowed, total), _pad_left(allowed, total)])
+            self.positions = torch.cat([self.positions, positions])
+            assert self.logits is not None, "join between choose and advance"
+            self.logits = torch.cat([self.logits, logits])
+        self.states += new
+        return new
+
+    def choose(self, progress: Callable[[int], None] | None = None) -> list[Running]:
+        """Pick the next token of every stream; finished streams leave. Returns all streams stepped."""
+        if self.logits is None:
+            raise RuntimeError("choose needs pending logits (join or advance first)")
+        chosen, margins = _choose(self.logits, [s.stream for s in self.states], [s.generator for s in self.states])
+        self.logits = None
+        keep = []
+        for r, st in enumerate(self.states):
+            token = chosen[r]
+            st.tokens.append(token)
+            st.margins.append(margins[r])
+            span = st.stream.loop_span
+            if token in st.stream.stop_ids:
+                st.finished = "stop"
+            elif span and looped(st.tokens, span, st.windows):
+                st.finished = "loop"
+            elif len(st.tokens) >= st.stream.max_new:
+                st.finished = "length"
+            else:
+                keep.append(r)
+        stepped = list(self.states)
+        if progress is not None:
+            progress(len(stepped))
+        self._keep(keep)
+        return stepped
+
+    def drop(self, tags: Sequence[Any]) -> list[Running]:
+        """Remove streams by tag (a client went away); returns the removed ones."""
+        gone = {id(t) for t in tags}
+        removed = [st for st in self.states if id(st.tag) in gone]
+        if removed:
+            self._keep([r for r, st in enumerate(self.states) if id(st.tag) not in gone])
+        return removed
+
+    def advance(self) -> None:
+        """One decode forward for every running stream: its last token in, pending logits out."""
+        if not self.states or self.cache is None:
+            return
+        last = torch.tensor([st.tokens[-1] for st in self.states], dtype=torch.long, device=self.device)
+        self.allowed = torch.cat([self.allowed, self.allowed.new_ones(len(self.states), 1)], dim=1)
+        mask = torch.zeros(self.allowed.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~self.allowed, torch.finfo(self.dtype).min)
+        with torch.no_grad():
+            out = self.model(
+                input_ids=last[:, None],
+                attention_mask=mask[:, None, None, :],
+                position_ids=self.positions[:, None],
+                use_cache=True,
+                **{self.keyword: self.cache},
+            )
+        self.logits = out.logits[:, -1]
+        self.positions = self.positions + 1
+
+    def kv_bytes(self) -> int:
+        """Bytes of cache columns the running streams can read (padding excluded)."""
+        if self.cache is None or not self.states:
+            return 0
+        per_column = sum(k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
+                         for k, v in self.cache.views())
+        return int(self.allowed.sum().item()) * per_column
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.states):
+            return
+        for r, st in enumerate(self.states):
+            if st.keep_kv and r not in keep:
+                st.kv = self._row_kv(r)
+        self.states = [self.states[r] for r in keep]
+        if not keep:
+            self.cache = None
+            self.allowed = self.allowed[:0, :0]
+            self.positions = self.positions[:0]
+            self.logits = None
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        assert self.cache is not None
+        self.cache.select_rows(index)
+        self.allowed = self.allowed.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        if self.logits is not None:
+            self.logits = self.logits.index_select(0, index)
+        # Columns no remaining stream reads (padding of streams that left) are cut off.
+        unread = int(self.allowed.any(0).long().argmax().item())
+        if unread > 0:
+            self.cache.trim(unread)
+            self.allowed = self.allowed[:, unread:]
+
+    def _row_kv(self, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One stream's readable rows, per layer `[H, n, d]`: prefix, prompt and tokens fed so far."""
+        assert self.cache is not None
+        cols = self.allowed[r].nonzero().squeeze(1)
+        return [(k[r].index_select(1, cols).clone(), v[r].index_select(1, cols).clone()) for k, v in self.cache.views()]
+
+
+def _pad_left(allowed: torch.Tensor, width: int) -> torch.Tensor:
+    extra = width - allowed.shape[1]
+    if extra <= 0:
+        return allowed
+    return torch.cat([allowed.new_zeros(allowed.shape[0], extra), allowed], dim=1)
+
+
+class BatchCache(DynamicCache):
+    """A cache with spare columns: a decode step writes one column in place.
+
+    The default cache concatenates, which copies the whole cache (as large as the weights
+    for wide batches) on every step. Streams joining are placed right-aligned (zeros in
+    the columns they do not have), streams leaving are dropped, and columns nobody reads
+    any more are trimmed from the left.
+    """
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
+        self._full = [(_with_room(k, room), _with_room(v, room)) for k, v in layers]
+        n = layers[0][0].shape[-2]
+        super().__init__(ddp_cache_data=[(k[..., :n, :], v[..., :n, :]) for k, v in self._full])
+        self._set(n)
+
+    @property
+    def length(self) -> int:
+        return int(self.layers[0].keys.shape[-2])
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.layers]
+
+    def _set(self, n: int) -> None:
+        for layer, (k, v) in zip(self.layers, self._full, strict=True):
+            layer.keys, layer.values = k[..., :n, :], v[..., :n, :]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        k, v = self._full[layer_idx]
+        n, q = layer.keys.shape[-2], key_states.shape[-2]
+        if n + q > k.shape[-2]:
+            grow = max(64, n // 4) + q
+            k, v = _with_room(k[..., :n, :], grow), _with_room(v[..., :n, :], grow)
+            self._full[layer_idx] = (k, v)
+        k[..., n : n + q, :] = key_states
+        v[..., n : n + q, :] = value_states
+        layer.keys, layer.values = k[..., : n + q, :], v[..., : n + q, :]
+        return layer.keys, layer.values
+
+    def extend(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
+        """Append streams (rows of another cache), right-aligned with the running ones."""
+        n_old, n_new = self.length, layers[0][0].shape[-2]
+        n = max(n_old, n_new)
+        full = []
+        for (old_k, old_v), (new_k, new_v) in zip(self.views(), layers, strict=True):
+            pair = []
+            for old, new in ((old_k, new_k), (old_v, new_v)):
+                b_old = old.shape[0]
+                t = old.new_zeros(b_old + new.shape[0], old.shape[1], n + room, old.shape[3])
+                t[:b_old, :, n - n_old : n] = old
+                t[b_old:, :, n - n_new : n] = new
+                pair.append(t)
+            full.append((pair[0], pair[1]))
+        self._full = full
+        self._set(n)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Physically drop retired streams so later steps skip their rows."""
+        n = self.length
+        self._full = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self._full]
+        self._set(n)
+
+    def trim(self, columns: int) -> None:
+        """Forget the first `columns` columns (no running stream reads them)."""
+        n = self.length
+        self._full = [(k[..., columns:, :], v[..., columns:, :]) for k, v in self._full]
+        self._set(n - columns)
+
+
+def _with_room(t: torch.Tensor, room: int) -> torch.Tensor:
+    n = t.shape[-2]
+    out = t.new_empty(*t.shape[:-2], n + max(room, 0), t.shape[-1])
+    out[..., :n, :] = t
+    return out
+
+
+def looped(tokens: list[int], span: int, seen: set[tuple[int, ...]]) -> bool:
+    """Whether the newest `span`-token window already occurred (a greedy decoding loop)."""
+    if len(tokens) < span:
+        return False
+    window = tuple(tokens[-span:])
+    if window in seen:
+        return True
+    seen.add(window)
+    return False
+
+
+def _generator(stream: Stream, device: torch.device) -> torch.Generator | None:
+    if stream.temperature <= 0:
+        return None
+    return torch.Generator(device=device).manual_seed(stream.seed)
+
+
+def _choose(
+    logits: torch.Tensor, streams: Sequence[Stream], generators: Sequence[torch.Generator | None]
+) -> tuple[list[int], list[float]]:
+    """Next token and top-2 margin per row from one pass over the vocabulary.
+
+    Greedy rows take the top-1 id; sampled rows draw one by one from their own
+    generator so each draw depends only on that stream.
+    """
+    if logits.shape[-1] < 2:
+        return [0] * logits.shape[0], [math.inf] * logits.shape[0]
+    values, ids = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1)
+    chosen = ids[:, 0].tolist()
+    margins = (values[:, 0] - values[:, 1]).tolist()
+    for r, (stream, gen) in enumerate(zip(streams, generators, strict=True)):
+        if gen is not None:
+            chosen[r] = _sample(logits[r], stream.temperature, stream.top_p, gen)
+    return chosen, margins
+
+
+def _sample(row: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    work = row.to(torch.promote_types(row.dtype, torch.float32)) / temperature
+    probs = torch.softmax(work, dim=-1)
+    if top_p >= 1.0:
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+    sorted_probs, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+    pick = int(torch.multinomial(sorted_probs, 1, generator=gen).item())
+    return int(order[pick].item())

@@ -1,0 +1,125 @@
+"""`cartridges serve`: load the model and cartridges, start the decode loop, run uvicorn.
+
+The socket is bound before uvicorn starts, so a busy port is a one-line error, and
+`--port 0` picks a free port (printed). SIGHUP reloads the cartridge files, like
+`POST /admin/reload`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+import uvicorn
+
+from cartridges.errors import CartridgeError, CartridgeFileError
+from cartridges.models import LoadedModel, load_model
+from cartridges.serve.app import create_app
+from cartridges.serve.engine import Engine
+from cartridges.serve.options import ServeConfig, serve_config
+from cartridges.serve.selector import CartridgeSelector, Selector
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise CartridgeError(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from exc
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server:
+    """A running server: engine thread plus uvicorn on a bound socket (in this thread or a new one)."""
+
+    def __init__(self, lm: LoadedModel, selector: Selector, config: ServeConfig) -> None:
+        self.lm, self.selector, self.config = lm, selector, config
+        self.engine = Engine(lm, selector, config)
+        self.app = create_app(lm, selector, self.engine, config)
+        self.sock = bind(config.host, config.port)
+        self.port = self.sock.getsockname()[1]
+        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"http://{host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve until interrupted (blocking)."""
+        self.engine.start()
+        try:
+            self.uvicorn.run(sockets=[self.sock])
+        finally:
+            self.engine.stop()
+
+    def start(self) -> Server:
+        """Serve from a background thread (tests, benchmarks); returns once it accepts connections."""
+        self.engine.start()
+        self._thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self._thread.start()
+        while not self.uvicorn.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("server thread died during start-up")
+            threading.Event().wait(0.02)
+        return self
+
+    def stop(self) -> None:
+        self.uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self.engine.stop()
+        self.sock.close()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def reload_on_sighup(selector: Selector) -> None:
+    def reload_now() -> None:
+        try:
+            info = selector.reload()
+            print(f"reloaded: version {info.get('version')}", file=sys.stderr, flush=True)
+        except CartridgeError as exc:
+            print(f"reload failed, still serving the previous version: {exc}", file=sys.stderr, flush=True)
+        except Exception:
+            traceback.print_exc()
+
+    # Loading files takes a while: do it off the signal handler, in a thread of its own.
+    signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=reload_now, daemon=True).start())
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    config = serve_config(args)
+    for path in args.cartridge:  # before the model loads: a typo should fail fast
+        if not Path(path).is_file():
+            raise CartridgeFileError(f"{path}: no such cartridge file")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(args.model, args.device)
+    selector = CartridgeSelector(lm, args.cartridge, config.name)
+    server = Server(lm, selector, config)
+    reload_on_sighup(selector)
+    rows = selector.describe()["prefix_rows"]
+    auth = "API key required" if config.api_key else "no API key"
+    print(f"serving '{selector.model_id}' ({rows} cartridge rows on {lm.name}, {lm.device}) at {server.url}/v1 "
+          f"({auth}; max batch {config.max_batch}); SIGHUP or POST /admin/reload reloads the cartridges",
+          flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,53 @@
+"""The server's typed config and its command-line options (no web imports here)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    max_batch: int = 16  # streams decoding at once (resident slots)
+    max_queue: int = 64  # requests waiting for a slot; more get 429
+    max_tokens_cap: int = 1024  # largest max_tokens a request may ask for
+    default_max_tokens: int = 256  # when a request does not say (clamped to the context)
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    max_stop: int = 4  # stop strings per request (as OpenAI)
+    name: str | None = None  # model id served at /v1/models (default: the cartridge names)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    d = ServeConfig()
+    parser.add_argument("--cartridge", action="append", required=True,
+                        help="cartridge file (repeat to compose, in order)")
+    parser.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--api-key", default=os.environ.get("CARTRIDGES_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $CARTRIDGES_API_KEY)")
+    parser.add_argument("--max-batch", type=int, default=d.max_batch, help="streams decoding at once")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot")
+    parser.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
+    parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    parser.add_argument("--name", default=None, help="model id clients use (default: cartridge file names)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    from cartridges.errors import CartridgeError
+
+    for flag in ("max_batch", "max_queue", "max_tokens_cap", "default_max_tokens", "max_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise CartridgeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.port <= 65535:
+        raise CartridgeError(f"--port must be in 0..65535, got {args.port}")
+    return ServeConfig(
+        host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+        max_tokens_cap=args.max_tokens_cap, default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap),
+        max_body_bytes=args.max_body_bytes, name=args.name,
+    )
