@@ -252,12 +252,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     questions, problems = read_questions(args.qa)
     for problem in problems:
         print(f"skipped {problem}", file=sys.stderr)
-    if not args.cartridge and not args.corpus:
-        raise CartridgeError("eval: give --cartridge FILE and/or --corpus PATH (nothing to compare)")
+    if not args.cartridge and not args.corpus and not args.fleet:
+        raise CartridgeError("eval: give --cartridge FILE, --fleet DIR and/or --corpus PATH (nothing to compare)")
+    if args.cartridge and args.fleet:
+        raise CartridgeError("eval: give --cartridge or --fleet, not both")
     lm = load_model(args.model, args.device)
     result = evaluate.run(Store(args.store), lm, args.qa, questions, problems, args.cartridge or [],
                           args.corpus or [], max_new=args.max_new, peers=not args.no_peers, force=args.force,
-                          log=lambda line: print(line, file=sys.stderr))
+                          log=lambda line: print(line, file=sys.stderr), fleet_dir=args.fleet)
     print(evaluate.markdown_report(result))
     print(f"report: {result['report']}  chart: {result['chart']}"
           + ("  (unchanged: reused the earlier eval)" if result["skipped"] else ""))
@@ -319,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--qa", required=True, help="question file (.jsonl): multiple choice or free form")
     p.add_argument("--cartridge", action="append", help="cartridge file (repeat to compose, in order)")
+    p.add_argument("--fleet", default=None, help="fleet directory: retrieval and oracle-selection arms")
     p.add_argument("--corpus", action="append", help="documents for the in-context and full-KV arms")
     p.add_argument("--max-new", type=int, default=48, help="token budget of generated answers")
     p.add_argument("--no-peers", action="store_true", help="skip the KV-compression peer arms")

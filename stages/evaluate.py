@@ -61,8 +61,9 @@ def knorm_rows(rows, budget: int):
 class Inputs:
     """Arms over a model, cartridge files and documents; contexts and full KVs built once."""
 
-    def __init__(self, lm: LoadedModel, cartridges: list[str], docs: dict[str, str]) -> None:
-        self.lm, self.docs = lm, docs
+    def __init__(self, lm: LoadedModel, cartridges: list[str], docs: dict[str, str], fleet=None) -> None:
+        self.lm, self.docs, self.fleet = lm, docs, fleet
+        self.selected: dict[str, list[str]] = {}  # question -> documents retrieved for it
         self.truncated: dict[str, int] = {}  # document -> context tokens cut to fit the window
         self.parts = []
         for path in cartridges:
@@ -91,6 +92,22 @@ class Inputs:
             path = save_cartridge(Path(tmp) / "full.safetensors", Cartridge.from_rows(rows, frozen=0),
                                   lm.fingerprint, init="full_kv")
             return load_cartridge(path, device=lm.device, dtype=lm.dtype).rows()
+
+    def retrieve(self, q: Question) -> list[str]:
+        if q.question not in self.selected:
+            self.selected[q.question] = self.fleet.select(q.question)
+        return self.selected[q.question]
+
+    def fleet_arms(self, questions: list[Question]) -> tuple[list[Arm], list[str]]:
+        """Retrieval (the fleet's own index picks `rag_docs` documents) and oracle selection."""
+        fleet = self.fleet
+        arms = [Arm("fleet_retrieval", key=lambda q: ",".join(self.retrieve(q)),
+                    rows=lambda q: fleet.rows(self.retrieve(q)))]
+        missing = sorted({str(q.doc) for q in questions if q.doc not in fleet.names})
+        if missing:
+            return arms, [f"no fleet_oracle arm: questions name documents the fleet lacks: {', '.join(missing)}"]
+        arms.append(Arm("fleet_oracle", key=lambda q: q.doc, rows=lambda q: fleet.rows([q.doc])))
+        return arms, []
 
     def arms(self, peers: bool = True) -> list[Arm]:
         arms = [Arm("bare", key=lambda q: "", rows=lambda q: [])]
@@ -146,7 +163,8 @@ def _evals_rows(run_id: str, arms: dict[str, dict]) -> list[dict]:
 
 def markdown_report(result: dict) -> str:
     """The eval as a markdown table (one row per arm) with the ICL-gap closure."""
-    lines = [f"# Eval of {', '.join(result['cartridges']) or 'no cartridge'}", "",
+    subject = ", ".join(result["cartridges"]) or (f"fleet {result['fleet']}" if result.get("fleet") else "no cartridge")
+    lines = [f"# Eval of {subject}", "",
              f"Questions: {result['questions']} from `{result['qa']}`; "
              f"documents: {', '.join(result['docs']) or 'none'}.", "",
              "| arm | accuracy (95% CI) | accuracy_gen (95% CI) | hit limit | answer NLL | KV rows | KV MiB | TTFT ms |",
@@ -166,6 +184,13 @@ def markdown_report(result: dict) -> str:
               + (f"{c['value']:.2f}" if c["value"] is not None else f"null ({c['reason']})")]
     if result.get("compression"):
         lines.append(f"KV compression vs ICL: {result['compression']:.1f}x fewer rows")
+    if result.get("oracle_gap_closure"):
+        c = result["oracle_gap_closure"]
+        lines.append("ICL-gap closure with oracle selection: "
+                     + (f"{c['value']:.2f}" if c["value"] is not None else f"null ({c['reason']})"))
+    top1 = result["arms"].get("fleet_retrieval", {}).get("retrieval_top1")
+    if top1 is not None:
+        lines.append(f"Retrieval top-1 picks the question's document for {top1:.0%} of questions")
     lines += [f"- {n}" for n in result["notes"] if n]
     return "\n".join(lines) + "\n"
 
@@ -198,10 +223,17 @@ def chart_png(result: dict, path: Path) -> None:
 
 def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], problems: list[str],
         cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True,
-        force: bool = False, run_id: str | None = None, log=print) -> dict:
+        force: bool = False, run_id: str | None = None, log=print, fleet_dir: str | None = None) -> dict:
     """Score every arm (or reuse an identical earlier eval) and return the result dict."""
     docs = read_docs(corpus) if corpus else {}
+    fleet = None
+    if fleet_dir:
+        from cartridges.fleet import Fleet
+
+        fleet = Fleet.open(fleet_dir, lm)
     config = {
+        "fleet": (hashlib.sha256(json.dumps(fleet.manifest.to_dict(), sort_keys=True).encode()).hexdigest()
+                  if fleet else None),
         "qa": _sha(Path(qa)), "cartridges": [_sha(Path(c)) for c in cartridges],
         "docs": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in docs.items()},
         "model": fingerprint_id(lm.fingerprint), "max_new": max_new, "peers": peers,
@@ -213,9 +245,14 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
         if not used:
             raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
                               f"({', '.join(docs)})")
-        inputs = Inputs(lm, cartridges, docs)
+        inputs = Inputs(lm, cartridges, docs, fleet)
         arms = {}
-        for arm in inputs.arms(peers):
+        plan = inputs.arms(peers)
+        if fleet is not None:
+            extra, why = inputs.fleet_arms(used)
+            plan += extra
+            notes += why
+        for arm in plan:
             log(f"eval: arm {arm.name} ({len(used)} questions)")
             scored, ttft = score_arm(lm, arm, used, max_new=max_new)
             arms[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes)
@@ -224,12 +261,20 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
                   for d, n in inputs.truncated.items() if n]
         if "knorm" in arms:
             notes.append(KVPRESS_NOTE)
+        if fleet is not None:
+            named = [q for q in used if q.doc]
+            if named:
+                hits = [q.doc in inputs.retrieve(q)[:1] for q in named]
+                arms["fleet_retrieval"]["retrieval_top1"] = sum(hits) / len(hits)
+        main = "cartridge" if "cartridge" in arms else "fleet_retrieval"
         result.update(
-            qa=str(qa), cartridges=[str(c) for c in cartridges], docs=list(docs), questions=len(used),
-            arms=arms, icl_gap_closure=closure(arms, "cartridge"), notes=notes,
-            compression=(arms["icl"]["kv_rows"] / arms["cartridge"]["kv_rows"]
-                         if "icl" in arms and "cartridge" in arms else None),
+            qa=str(qa), cartridges=[str(c) for c in cartridges], fleet=fleet_dir, docs=list(docs),
+            questions=len(used), arms=arms, icl_gap_closure=closure(arms, main), notes=notes,
+            compression=(arms["icl"]["kv_rows"] / arms[main]["kv_rows"]
+                         if "icl" in arms and main in arms else None),
         )
+        if "fleet_oracle" in arms:
+            result["oracle_gap_closure"] = closure(arms, "fleet_oracle")
         ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id or ctx.artifact.id, arms), schema=EVALS))
         ctx.write_file("result.json", json.dumps(result, indent=1).encode())
         ctx.write_file("report.md", markdown_report(result).encode())

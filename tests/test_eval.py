@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from cartridges.scoring import (
     logprobs_behind,
     logprobs_in_context,
     native_context,
+    question_text,
     reply_ids,
     student_prompt,
 )
@@ -175,3 +177,33 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
                          max_new=4, log=lambda _: None)
     assert again["skipped"] and again["arms"]["icl"]["accuracy"] == icl["accuracy"]
     assert not math.isnan(again["arms"]["bare"]["ttft_s"])
+
+
+def test_fleet_eval_has_retrieval_and_oracle_arms(tiny_lm, tmp_path):
+    from schemas.presets import fleet_preset
+    from stages.fleet import run_fleet
+    from tests.test_fleet_run import write_docs
+
+    docs = write_docs(tmp_path / "docs")
+    run_fleet(Store(tmp_path / "s"), tiny_lm, [docs], tmp_path / "f", fleet_preset("smoke"), log=lambda _: None)
+    qa = tmp_path / "q.jsonl"
+    qa.write_text("\n".join(json.dumps(x) for x in [
+        {"doc": "d0.md", "question": "Where do apples grow?", "options": ["orchards", "orbit"], "answer": 0},
+        {"doc": "d1.md", "question": "Where do rockets fly?", "options": ["orchards", "orbit"], "answer": 1},
+        {"doc": "d2.md", "question": "Where do rivers run?", "options": ["to the sea", "to orbit"], "answer": 0},
+    ]) + "\n")
+    questions, problems = read_questions(qa)
+    corpus = [str(p) for p in sorted(docs.iterdir())]
+    result = evaluate.run(Store(tmp_path / "e"), tiny_lm, str(qa), questions, problems, [], corpus,
+                          max_new=4, log=lambda _: None, fleet_dir=str(tmp_path / "f"))
+    assert {"bare", "icl", "full_kv", "fleet_retrieval", "fleet_oracle"} <= set(result["arms"])
+    from cartridges.fleet import Fleet
+
+    fleet = Fleet.open(tmp_path / "f", tiny_lm)
+    picks = [fleet.select(q.question) for q in questions]
+    expected_top1 = sum(q.doc == p[0] for q, p in zip(questions, picks, strict=True)) / 3
+    assert result["arms"]["fleet_retrieval"]["retrieval_top1"] == pytest.approx(expected_top1)
+    one = fleet.cartridge("d0.md").p
+    assert result["arms"]["fleet_oracle"]["kv_rows"] == pytest.approx(
+        one + statistics.mean(len(student_prompt(tiny_lm.tokenizer, question_text(q))) for q in questions))
+    assert "oracle_gap_closure" in result and result["icl_gap_closure"]["metric"] == "accuracy"
