@@ -29,6 +29,7 @@ def commands(path: Path) -> list[str]:
 
 def cli_args(line: str) -> list[str] | None:
     """The argument list of a `cartridges` command line, optional-syntax brackets removed."""
+    line = re.sub(r"\[([^\[\]|]*)\|[^\[\]]*\]", r"\1", line)  # "[A | B]": alternatives, show A
     words = shlex.split(line.replace("[", " ").replace("]", " "))
     for i, word in enumerate(words):
         if word.endswith("/cartridges") or word == "cartridges":
