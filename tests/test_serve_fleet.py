@@ -15,7 +15,13 @@ from cartridges.errors import FleetError
 from cartridges.fleet import Fleet
 from cartridges.generate import Stream, generate
 from cartridges.serve.engine import Accepted, Engine
-from cartridges.serve.fleet_selector import Conversation, Conversations, FleetSelector, identity, switches
+from cartridges.serve.fleet_selector import (
+    Conversation,
+    Conversations,
+    FleetSelector,
+    identity,
+    switches,
+)
 from cartridges.serve.main import Server
 from cartridges.serve.options import ServeConfig
 from cartridges.serve.schema import ChatParams
@@ -98,7 +104,7 @@ def kept_ids(lm, messages, tokens):
 def reusable(lm, messages, kept) -> int:
     """Leading prompt tokens equal to kept ones (at least one token is left to prefill)."""
     prompt = render_prompt(lm.tokenizer, messages)
-    same = [a == b for a, b in zip(prompt, kept)] + [False]
+    same = [a == b for a, b in zip(prompt, kept, strict=False)] + [False]
     return min(same.index(False), len(prompt) - 1)
 
 

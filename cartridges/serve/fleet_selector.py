@@ -253,7 +253,7 @@ class FleetSelector:
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens `a` and `b` share."""
     n = 0
-    for x, y in zip(a, b):  # noqa: B905 (lengths differ by design)
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
