@@ -16,7 +16,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup demo test lint equiv cartridge fleet sql serve bench bench-synth bench-train bench-serve clean
+.PHONY: setup demo test lint equiv cartridge fleet sql serve serve-fleet bench bench-synth bench-train bench-serve clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,13 @@ sql: setup
 serve: setup
 	@test -f $(DEMO_CARTRIDGE) || { echo "$(DEMO_CARTRIDGE) is missing: run 'make demo' first"; exit 2; }
 	$(BIN)/cartridges serve --cartridge $(DEMO_CARTRIDGE) --host $(HOST) --port $(PORT)
+
+# Fleet mode: each conversation sits behind the documents retrieved for it (SERVE_ARGS:
+# e.g. "--rag-docs 2 --rag-adaptive").
+SERVE_ARGS ?=
+serve-fleet: setup
+	@test -f $(FLEET)/fleet.json || { echo "$(FLEET) holds no fleet: run 'make fleet' first"; exit 2; }
+	$(BIN)/cartridges serve --fleet $(FLEET) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 bench-synth: setup
 	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 64

@@ -1,8 +1,8 @@
 """`cartridges serve`: load the model and cartridges, start the decode loop, run uvicorn.
 
 The socket is bound before uvicorn starts, so a busy port is a one-line error, and
-`--port 0` picks a free port (printed). SIGHUP reloads the cartridge files, like
-`POST /admin/reload`.
+`--port 0` picks a free port (printed). SIGHUP reloads the cartridge files (or the
+fleet), like `POST /admin/reload`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
-from cartridges.errors import CartridgeError, CartridgeFileError
+from cartridges.errors import CartridgeError, CartridgeFileError, FleetError
 from cartridges.models import LoadedModel, load_model
 from cartridges.serve.app import create_app
 from cartridges.serve.engine import Engine
@@ -107,19 +107,37 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     config = serve_config(args)
-    for path in args.cartridge:  # before the model loads: a typo should fail fast
+    for path in args.cartridge or ():  # before the model loads: a typo should fail fast
         if not Path(path).is_file():
             raise CartridgeFileError(f"{path}: no such cartridge file")
+    if args.fleet:
+        from cartridges.fleet.manifest import read_manifest
+
+        if not Path(args.fleet).is_dir():
+            raise FleetError(f"{args.fleet}: no such fleet directory")
+        read_manifest(args.fleet)  # a missing or damaged manifest is a one-line error before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, args.device)
-    selector = CartridgeSelector(lm, args.cartridge, config.name)
+    selector: Selector
+    if args.fleet:
+        from cartridges.serve.fleet_selector import FleetSelector
+
+        selector = FleetSelector(lm, args.fleet, rag_docs=args.rag_docs, adaptive=args.rag_adaptive,
+                                 margin=0.05 if args.rag_margin is None else args.rag_margin,
+                                 max_conversations=args.max_conversations,
+                                 max_conversation_rows=args.max_conversation_rows, name=config.name)
+        info = selector.describe()
+        what = (f"fleet of {len(info['documents'])} documents, {info['rag_docs']} per conversation"
+                + (f", adaptive (margin {info['rag_margin']})" if info["rag_adaptive"] else ""))
+    else:
+        selector = CartridgeSelector(lm, args.cartridge, config.name)
+        what = f"{selector.describe()['prefix_rows']} cartridge rows"
     server = Server(lm, selector, config)
     reload_on_sighup(selector)
-    rows = selector.describe()["prefix_rows"]
     auth = "API key required" if config.api_key else "no API key"
-    print(f"serving '{selector.model_id}' ({rows} cartridge rows on {lm.name}, {lm.device}) at {server.url}/v1 "
-          f"({auth}; max batch {config.max_batch}); SIGHUP or POST /admin/reload reloads the cartridges",
-          flush=True)
+    print(f"serving '{selector.model_id}' ({what} on {lm.name}, {lm.device}) at {server.url}/v1 "
+          f"({auth}; max batch {config.max_batch}); SIGHUP or POST /admin/reload reloads the "
+          f"{'fleet' if args.fleet else 'cartridges'}", flush=True)
     server.run()
     return 0

@@ -23,8 +23,20 @@ class ServeConfig:
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     d = ServeConfig()
-    parser.add_argument("--cartridge", action="append", required=True,
-                        help="cartridge file (repeat to compose, in order)")
+    parser.add_argument("--cartridge", action="append", default=None,
+                        help="cartridge file (repeat to compose, in order); or --fleet")
+    parser.add_argument("--fleet", default=None,
+                        help="fleet directory: each conversation sits behind the documents retrieved for it")
+    parser.add_argument("--rag-docs", type=int, default=None,
+                        help="fleet: documents composed per conversation (default: the fleet's rag_docs)")
+    parser.add_argument("--rag-adaptive", action="store_true",
+                        help="fleet: retrieve again on each follow-up; switch documents on a decisive margin")
+    parser.add_argument("--rag-margin", type=float, default=None,
+                        help="fleet with --rag-adaptive: score margin a new document must win by (default 0.05)")
+    parser.add_argument("--max-conversations", type=int, default=256,
+                        help="fleet: conversations whose selection and KV are kept (least recently used go)")
+    parser.add_argument("--max-conversation-rows", type=int, default=32768,
+                        help="fleet: KV rows kept over all kept conversations")
     parser.add_argument("--host", default=d.host, help="bind address (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--api-key", default=os.environ.get("CARTRIDGES_API_KEY"),
@@ -34,14 +46,31 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
-    parser.add_argument("--name", default=None, help="model id clients use (default: cartridge file names)")
+    parser.add_argument("--name", default=None,
+                        help="model id clients use (default: the cartridge file names, or the fleet directory's name)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     from cartridges.errors import CartridgeError
 
-    for flag in ("max_batch", "max_queue", "max_tokens_cap", "default_max_tokens", "max_body_bytes"):
+    if bool(args.cartridge) == bool(args.fleet):
+        raise CartridgeError("serve needs either --cartridge FILE (repeatable) or --fleet DIR"
+                             + (", not both" if args.cartridge else ""))
+    if not args.fleet:
+        for flag in ("rag_docs", "rag_margin"):
+            if getattr(args, flag) is not None:
+                raise CartridgeError(f"--{flag.replace('_', '-')} needs --fleet")
+        if args.rag_adaptive:
+            raise CartridgeError("--rag-adaptive needs --fleet")
+    if args.rag_margin is not None and not args.rag_adaptive:
+        raise CartridgeError("--rag-margin needs --rag-adaptive")
+    if args.rag_docs is not None and args.rag_docs < 1:
+        raise CartridgeError(f"--rag-docs must be >= 1, got {args.rag_docs}")
+    if args.rag_margin is not None and args.rag_margin < 0:
+        raise CartridgeError(f"--rag-margin must be >= 0, got {args.rag_margin}")
+    for flag in ("max_batch", "max_queue", "max_tokens_cap", "default_max_tokens", "max_body_bytes",
+                 "max_conversations", "max_conversation_rows"):
         if getattr(args, flag) < 1:
             raise CartridgeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not 0 <= args.port <= 65535:
