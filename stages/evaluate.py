@@ -33,7 +33,7 @@ from schemas import EVALS
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 1
+VERSION = 2  # 2: per-question answers.jsonl beside the report
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "first")
 KVPRESS_NOTE = (
@@ -246,7 +246,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
                               f"({', '.join(docs)})")
         inputs = Inputs(lm, cartridges, docs, fleet)
-        arms = {}
+        arms, answers = {}, []
         plan = inputs.arms(peers)
         if fleet is not None:
             extra, why = inputs.fleet_arms(used)
@@ -256,6 +256,9 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             log(f"eval: arm {arm.name} ({len(used)} questions)")
             scored, ttft = score_arm(lm, arm, used, max_new=max_new)
             arms[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes)
+            answers += [{"arm": arm.name, "line": s.question.line, "question": s.question.question,
+                         "correct": s.correct, "correct_gen": s.correct_gen, "reply": s.reply,
+                         "nll": s.nll} for s in scored]
         notes += [f"{problem} (skipped)" for problem in problems]
         notes += [f"ICL context of {d} cut by {n} tokens to fit the {lm.context_length}-token window"
                   for d, n in inputs.truncated.items() if n]
@@ -277,6 +280,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             result["oracle_gap_closure"] = closure(arms, "fleet_oracle")
         ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id or ctx.artifact.id, arms), schema=EVALS))
         ctx.write_file("result.json", json.dumps(result, indent=1).encode())
+        ctx.write_file("answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers).encode())
         ctx.write_file("report.md", markdown_report(result).encode())
         with ctx.atomic_path("chart.png") as tmp:
             chart_png(result, tmp)

@@ -170,6 +170,10 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     report = (tmp_path / "store").rglob("report.md")
     assert "| icl |" in next(report).read_text()
     assert next((tmp_path / "store").rglob("chart.png")).read_bytes()[:4] == b"\x89PNG"
+    answers = [json.loads(x) for x in next((tmp_path / "store").rglob("answers.jsonl")).read_text().splitlines()]
+    assert len(answers) == 6 * 3 and {a["arm"] for a in answers} == set(result["arms"])
+    icl_correct = [a["correct"] for a in answers if a["arm"] == "icl" and a["correct"] is not None]
+    assert sum(icl_correct) / len(icl_correct) == icl["accuracy"]
     from storage.sql import query
     cols, rows = query(tmp_path / "store", "SELECT arm, value FROM evals WHERE metric = 'accuracy' ORDER BY arm")
     assert dict(rows)["icl"] == icl["accuracy"]
