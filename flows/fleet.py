@@ -12,7 +12,8 @@ from prefect.cache_policies import NONE
 from prefect.utilities.annotations import quote
 
 from cartridges.models import load_model
-from schemas import FleetConfig
+from flows.runners import fanout
+from schemas.presets import fleet_preset
 from stages.fleet import run_fleet
 from stages.fleet_report import markdown_summary
 from storage import Store
@@ -28,13 +29,17 @@ def as_task(fn, *args, **kwargs):
 @flow(name="fleet", log_prints=True)
 def fleet_flow(
     docs: list[str], fleet: str, config: dict | None = None, model: str | None = None, device: str | None = None,
-    store_root: str | None = None, resume: bool = False, eval_distractors: int = 0,
+    store_root: str | None = None, resume: bool = False, eval_distractors: int = 0, preset: str = "default",
+    task_runner: str = "local", dask_address: str | None = None,
 ) -> dict:
-    cfg = FleetConfig.from_dict(config or {})
+    """`config` overrides the `preset`; `task_runner="dask"` initializes new and changed documents
+    on Dask workers (a local cluster, or the scheduler at `dask_address`)."""
+    cfg = fleet_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device)
-    summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
-                        eval_distractors=eval_distractors)
+    with fanout(task_runner, dask_address, model, device) as workers:
+        summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
+                            eval_distractors=eval_distractors, fanout=workers)
     create_markdown_artifact(markdown=markdown_summary(summary), key="fleet-summary",
                              description="fleet training run")
     return summary
