@@ -9,6 +9,7 @@ the same code, model files and store root, e.g. a shared filesystem).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 
 import torch
@@ -51,9 +52,13 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
         runner = DaskTaskRunner(cluster_kwargs={"n_workers": dask_workers or 2, "threads_per_worker": 1,
                                                 "processes": True, "dashboard_address": None})
     with _api_for_workers(), runner:
+        # Stages call `map` from inside their own task run; submit in the flow's context instead
+        # (a task run's context does not serialize), so the pieces are tasks of the flow run.
+        flow_context = contextvars.copy_context()
+
         def submit_all(fn, jobs):
             piece = task(fn, name=fn.__name__, cache_policy=NONE, persist_result=False)
-            futures = [runner.submit(piece, {"job": job}) for job in jobs]
+            futures = flow_context.copy().run(lambda: [runner.submit(piece, {"job": job}) for job in jobs])
             return [f.result() for f in futures]
 
         yield Fanout(map=submit_all, model=WorkerModel(model, device, torch.get_num_threads()))
