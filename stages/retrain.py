@@ -120,13 +120,17 @@ def notify_reload(url: str | None = None, pid_file: str | Path | None = None, ap
 def run_retrain(
     store: Store, lm: LoadedModel, docs: list[str | Path], root: str | Path, config: FleetConfig,
     call: Callable[..., Any] = _plain, log: Callable[[str], None] = print, fanout: Fanout | None = None,
-    notify: Callable[[], dict] | None = None, keep: int = KEEP_VERSIONS,
+    notify: Callable[[], dict] | None = None, keep: int = KEEP_VERSIONS, only_changed: bool = True,
 ) -> dict:
-    """Retrain what changed under `root` and publish it as a new version; returns the run summary."""
+    """Retrain what changed under `root` and publish it as a new version; returns the run summary.
+
+    `only_changed=False` is the fleet flow publishing into a root: it always runs the fleet job
+    (with nothing new or changed, the whole fleet continues training) and publishes the result.
+    """
     root = Path(root)
     started = time.perf_counter()
     files = fleet_files(docs, config.ingest)
-    run_id = store.catalog.start_run(NAME)
+    run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
     try:
         docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
                         tokenizer_id=fingerprint_id(lm.fingerprint), run_id=run_id)
@@ -137,14 +141,14 @@ def run_retrain(
         found = changes(documents, read_manifest(live) if live is not None else None)
         summary: dict[str, Any] = {"run_id": run_id, "root": str(root), **found, "trained": [],
                                    "rounds_run": 0, "losses": []}
-        if live is not None and not (found["new"] or found["changed"] or found["removed"]):
+        if only_changed and live is not None and not (found["new"] or found["changed"] or found["removed"]):
             summary.update(version=live.name, published=False, notified={},
                            message=f"nothing changed in {len(found['unchanged'])} documents: "
                                    f"no training, still serving version {live.name}")
             log(summary["message"])
         else:
             target = new_version(root, live if live is not None and not is_versioned(root) else None)
-            trains = bool(found["new"] or found["changed"])
+            trains = bool(found["new"] or found["changed"]) or not only_changed
             try:
                 fleet = run_fleet(store, lm, docs, target, config if trains else config.replace(rounds=0),
                                   resume=live is not None, call=call, log=log, fanout=fanout)
@@ -176,7 +180,7 @@ def markdown_summary(s: dict) -> str:
     def names(key: str) -> str:
         return ", ".join(s.get(key) or []) or "none"
 
-    lines = [f"# Retrain run {s.get('run_id', '')}", "", s["message"], "",
+    lines = [f"# Published fleet run {s.get('run_id', '')}", "", s["message"], "",
              f"- trained: {names('trained')} ({s['rounds_run']} rounds)",
              f"- new: {names('new')}", f"- changed: {names('changed')}", f"- removed (retired): {names('removed')}",
              f"- skipped as unchanged: {names('unchanged')}",
