@@ -68,6 +68,10 @@ def test_make_deploy_then_prefect_deployment_run_builds_a_fleet_then_stop(tmp_pa
         assert runs["fleet-publish"]["status"] == "complete" and runs["fleet"]["status"] == "complete"
         assert current(tmp_path / "fleet").name == "0001"
         assert len(runs["fleet-publish"]["summary"]["new"]) == 3
+        import httpx
+
+        keys = {a["key"] for a in httpx.post(f"http://127.0.0.1:{port}/api/artifacts/filter", json={}).json()}
+        assert {"fleet-summary"} <= keys
     finally:
         pids = [int((deploy / f).read_text().split()[0]) for f in ("server.pid", "serve.pid") if (deploy / f).exists()]
         down = subprocess.run([sys.executable, "-m", "flows.deploy", "stop", "--dir", str(deploy)], env=env,
