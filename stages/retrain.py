@@ -37,7 +37,15 @@ from stages.fanout import Fanout
 from stages.fleet import fleet_files, run_fleet
 from stages.run_report import write_run_report
 from storage import Store
-from storage.versions import current, discard, is_versioned, new_version, prune_versions, publish
+from storage.versions import (
+    current,
+    discard,
+    is_versioned,
+    locked,
+    new_version,
+    prune_versions,
+    publish,
+)
 
 NAME = "retrain"
 KEEP_VERSIONS = 3
@@ -130,50 +138,51 @@ def run_retrain(
     root = Path(root)
     started = time.perf_counter()
     files = fleet_files(docs, config.ingest)
-    run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
-    try:
-        docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
-                        tokenizer_id=fingerprint_id(lm.fingerprint), run_id=run_id)
-        documents = store.table(docs_art).to_pylist()
-        live = live_version(root)
-        if is_versioned(root) and live is None:
-            raise FleetError(f"{root}: fleet root has versions but no valid 'current' link")
-        found = changes(documents, read_manifest(live) if live is not None else None)
-        summary: dict[str, Any] = {"run_id": run_id, "root": str(root), **found, "trained": [],
-                                   "rounds_run": 0, "losses": []}
-        if only_changed and live is not None and not (found["new"] or found["changed"] or found["removed"]):
-            summary.update(version=live.name, published=False, notified={},
-                           message=f"nothing changed in {len(found['unchanged'])} documents: "
-                                   f"no training, still serving version {live.name}")
-            log(summary["message"])
-        else:
-            target = new_version(root, live if live is not None and not is_versioned(root) else None)
-            trains = bool(found["new"] or found["changed"]) or not only_changed
-            try:
-                fleet = run_fleet(store, lm, docs, target, config if trains else config.replace(rounds=0),
-                                  resume=live is not None, call=call, log=log, fanout=fanout)
-            except BaseException:
-                discard(target)
-                raise
-            call(publish, root, target)
-            pruned = prune_versions(root, keep)
-            notified = notify() if notify is not None else {}
-            summary.update(
-                version=target.name, published=True, fleet_run_id=fleet["run_id"],
-                trained=[d["name"] for d in fleet["documents"] if d["trained"]],
-                rounds_run=fleet["rounds_run"], losses=fleet["losses"], documents=fleet["documents"],
-                pruned_versions=pruned, notified=notified,
-                message=(f"published version {target.name}: {len(found['new'])} new, {len(found['changed'])} "
-                         f"changed, {len(found['removed'])} removed, {len(found['unchanged'])} unchanged"),
-            )
-            log(summary["message"])
-        summary["seconds"] = time.perf_counter() - started
-        write_run_report(store, summary, markdown_summary, f"retrain run {run_id}")
-        store.catalog.finish_run(run_id, "complete", summary)
-        return summary
-    except BaseException as exc:
-        store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
-        raise
+    with locked(root):  # one publisher per root at a time: a scheduled retrain waits for a fleet run
+        run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
+        try:
+            docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
+                            tokenizer_id=fingerprint_id(lm.fingerprint), run_id=run_id)
+            documents = store.table(docs_art).to_pylist()
+            live = live_version(root)
+            if is_versioned(root) and live is None:
+                raise FleetError(f"{root}: fleet root has versions but no valid 'current' link")
+            found = changes(documents, read_manifest(live) if live is not None else None)
+            summary: dict[str, Any] = {"run_id": run_id, "root": str(root), **found, "trained": [],
+                                       "rounds_run": 0, "losses": []}
+            if only_changed and live is not None and not (found["new"] or found["changed"] or found["removed"]):
+                summary.update(version=live.name, published=False, notified={},
+                               message=f"nothing changed in {len(found['unchanged'])} documents: "
+                                       f"no training, still serving version {live.name}")
+                log(summary["message"])
+            else:
+                target = new_version(root, live if live is not None and not is_versioned(root) else None)
+                trains = bool(found["new"] or found["changed"]) or not only_changed
+                try:
+                    fleet = run_fleet(store, lm, docs, target, config if trains else config.replace(rounds=0),
+                                      resume=live is not None, call=call, log=log, fanout=fanout)
+                except BaseException:
+                    discard(target)
+                    raise
+                call(publish, root, target)
+                pruned = prune_versions(root, keep)
+                notified = notify() if notify is not None else {}
+                summary.update(
+                    version=target.name, published=True, fleet_run_id=fleet["run_id"],
+                    trained=[d["name"] for d in fleet["documents"] if d["trained"]],
+                    rounds_run=fleet["rounds_run"], losses=fleet["losses"], documents=fleet["documents"],
+                    pruned_versions=pruned, notified=notified,
+                    message=(f"published version {target.name}: {len(found['new'])} new, {len(found['changed'])} "
+                             f"changed, {len(found['removed'])} removed, {len(found['unchanged'])} unchanged"),
+                )
+                log(summary["message"])
+            summary["seconds"] = time.perf_counter() - started
+            write_run_report(store, summary, markdown_summary, f"retrain run {run_id}")
+            store.catalog.finish_run(run_id, "complete", summary)
+            return summary
+        except BaseException as exc:
+            store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
+            raise
 
 
 def markdown_summary(s: dict) -> str:

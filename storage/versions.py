@@ -9,14 +9,30 @@ so a reader sees the old version or the new one, never a mix.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from storage.atomic import _fsync_dir
 
 VERSIONS = "versions"
 CURRENT = "current"
+
+
+@contextlib.contextmanager
+def locked(root: Path | str) -> Iterator[None]:
+    """Hold `ROOT/.lock` exclusively: one publisher at a time builds and switches versions."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def version_dirs(root: Path | str) -> list[Path]:
