@@ -16,7 +16,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup demo test lint equiv cartridge fleet sql serve serve-fleet bench bench-synth bench-train bench-serve clean
+.PHONY: setup demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,26 @@ FLEET ?= artifacts/fleet
 FLEET_ARGS ?=
 fleet: setup
 	$(BIN)/cartridges fleet --docs $(DOCS) --fleet $(FLEET) $(if $(wildcard $(FLEET)/fleet.json),--resume) $(FLEET_ARGS)
+
+# Retrain only the changed documents of a published fleet root and switch `current` to the result.
+retrain: setup
+	$(BIN)/cartridges retrain --docs $(DOCS) --fleet $(FLEET) $(FLEET_ARGS)
+
+# A local Prefect server (SQLite under DEPLOY_DIR, 127.0.0.1:PREFECT_PORT) and one process serving
+# cartridge/default, fleet/default and retrain/scheduled, both in the background (docs/OPERATIONS.md).
+PREFECT_PORT ?= 4200
+DEPLOY_DIR ?= .deploy
+DEPLOY_PRESET ?= default
+RETRAIN_INTERVAL ?= 3600
+RETRAIN_CRON ?=
+SERVE_URL ?=
+deploy: setup
+	$(BIN)/python -m flows.deploy start --dir $(DEPLOY_DIR) --port $(PREFECT_PORT) --docs $(DOCS) --fleet $(FLEET) \
+		--preset $(DEPLOY_PRESET) --retrain-interval $(RETRAIN_INTERVAL) \
+		$(if $(RETRAIN_CRON),--retrain-cron "$(RETRAIN_CRON)") $(if $(SERVE_URL),--serve-url $(SERVE_URL))
+
+deploy-stop:
+	$(BIN)/python -m flows.deploy stop --dir $(DEPLOY_DIR)
 
 sql: setup
 	$(BIN)/cartridges sql "$(Q)"

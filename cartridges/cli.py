@@ -124,6 +124,20 @@ def pipeline_config(args: argparse.Namespace):
     return preset(args.preset, overrides)
 
 
+def add_runner_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task-runner", choices=("local", "dask"), default="local",
+                        help="where shards and per-document work run: this process, or Dask workers (prefect-dask)")
+    parser.add_argument("--dask-address", default=None,
+                        help="scheduler of an existing Dask cluster, tcp://HOST:PORT (default: a local cluster)")
+
+
+def check_runner(args: argparse.Namespace) -> None:
+    if args.no_prefect and (args.task_runner != "local" or args.dask_address):
+        raise CartridgeError("--task-runner dask runs through Prefect; drop --no-prefect")
+    if args.dask_address and args.task_runner != "dask":
+        raise CartridgeError("--dask-address needs --task-runner dask")
+
+
 def require_corpus(args: argparse.Namespace) -> list[str]:
     if not args.corpus:
         raise CartridgeError("--corpus is required (a text file or a directory of .md/.txt files)")
@@ -140,6 +154,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for path in expand(corpus, cfg.ingest.extensions):  # bad input fails here, before any run starts
         read_text(path, cfg.ingest.max_bytes)
     force = list(STAGES) if args.force_all else (args.force or [])
+    check_runner(args)
     if args.no_prefect:
         from cartridges.models import load_model
         from stages.pipeline import run_pipeline
@@ -151,7 +166,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from flows.cartridge import cartridge_flow
 
         summary = cartridge_flow(corpus=[str(c) for c in corpus], config=cfg.to_dict(), model=args.model,
-                                 device=args.device, store_root=args.store, save=args.save, force=force)
+                                 device=args.device, store_root=args.store, save=args.save, force=force,
+                                 task_runner=args.task_runner, dask_address=args.dask_address)
     losses = summary.get("losses") or []
     for i, loss in enumerate(losses):
         print(f"step {i:4d}  loss {loss:.4f}")
@@ -299,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run (the default: finished shards and checkpoints are kept)")
     p.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow run")
+    add_runner_args(p)
     add_common(p)
 
     p = sub.add_parser("stage", help="run one stage against the latest complete upstream artifacts")

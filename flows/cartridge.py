@@ -12,7 +12,8 @@ from prefect.cache_policies import NONE
 from prefect.utilities.annotations import quote
 
 from cartridges.models import load_model
-from schemas import PipelineConfig
+from flows.runners import fanout
+from schemas.presets import preset as pipeline_preset
 from stages.pipeline import run_pipeline
 from stages.report import markdown_summary
 from storage import Store
@@ -29,11 +30,16 @@ def as_task(fn, *args, **kwargs):
 def cartridge_flow(
     corpus: list[str], config: dict | None = None, model: str | None = None, device: str | None = None,
     store_root: str | None = None, save: str | None = None, force: list[str] | None = None,
+    preset: str = "default", task_runner: str = "local", dask_address: str | None = None,
 ) -> dict:
-    cfg = PipelineConfig.from_dict(config or {})
+    """`config` overrides the `preset`; `task_runner="dask"` runs synthesis and teacher shards on
+    Dask workers (a local cluster, or the scheduler at `dask_address`)."""
+    cfg = pipeline_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device)
-    summary = run_pipeline(store, lm, corpus, cfg, save=save, force=tuple(force or ()), call=as_task)
+    with fanout(task_runner, dask_address, model, device) as workers:
+        summary = run_pipeline(store, lm, corpus, cfg, save=save, force=tuple(force or ()), call=as_task,
+                               fanout=workers)
     create_markdown_artifact(markdown=markdown_summary(summary), key="cartridge-summary",
                              description="cartridge training run")
     return summary

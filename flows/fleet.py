@@ -6,15 +6,20 @@ are the one cache. Runs with ephemeral Prefect when no server is configured.
 
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 from prefect.utilities.annotations import quote
 
 from cartridges.models import load_model
-from schemas import FleetConfig
+from flows.runners import fanout
+from schemas.presets import fleet_preset
 from stages.fleet import run_fleet
 from stages.fleet_report import markdown_summary
+from stages.retrain import markdown_summary as retrain_markdown
+from stages.retrain import notify_reload, run_retrain
 from storage import Store
 
 
@@ -28,13 +33,25 @@ def as_task(fn, *args, **kwargs):
 @flow(name="fleet", log_prints=True)
 def fleet_flow(
     docs: list[str], fleet: str, config: dict | None = None, model: str | None = None, device: str | None = None,
-    store_root: str | None = None, resume: bool = False, eval_distractors: int = 0,
+    store_root: str | None = None, resume: bool = False, eval_distractors: int = 0, preset: str = "default",
+    task_runner: str = "local", dask_address: str | None = None, publish: bool = False,
+    serve_url: str | None = None, serve_pid_file: str | None = None,
 ) -> dict:
-    cfg = FleetConfig.from_dict(config or {})
+    """`config` overrides the `preset`; `task_runner="dask"` initializes new and changed documents
+    on Dask workers (a local cluster, or the scheduler at `dask_address`). With `publish`, `fleet`
+    is a fleet root: the run builds the next version from the current one, switches `current` to
+    it and tells a running server to reload (as the retrain flow does, but always training)."""
+    cfg = fleet_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device)
-    summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
-                        eval_distractors=eval_distractors)
-    create_markdown_artifact(markdown=markdown_summary(summary), key="fleet-summary",
-                             description="fleet training run")
+    with fanout(task_runner, dask_address, model, device) as workers:
+        if publish:
+            summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, only_changed=False,
+                                  notify=partial(notify_reload, serve_url, serve_pid_file))
+            markdown = retrain_markdown(summary)
+        else:
+            summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
+                                eval_distractors=eval_distractors, fanout=workers)
+            markdown = markdown_summary(summary)
+    create_markdown_artifact(markdown=markdown, key="fleet-summary", description="fleet training run")
     return summary

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,12 @@ from cartridges.models import LoadedModel, fingerprint_id
 from cartridges.spans import keyed_seed
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
 from stages import fleet_data, ingest
+from stages.fanout import Fanout
+from stages.fleet_report import markdown_summary
 from stages.fleet_train import FleetTrainer
+from stages.run_report import write_run_report
 from storage import Store
+from storage.versions import is_versioned
 
 NAME = "fleet"
 VERSION = 1
@@ -72,6 +77,9 @@ def fleet_files(paths: list[str | Path], config: IngestConfig = IngestConfig()) 
 def check_target(directory: str | Path, resume: bool) -> None:
     """A new fleet needs a new or empty directory; `resume` needs an existing fleet."""
     directory = Path(directory)
+    if is_versioned(directory):
+        raise FleetError(f"{directory}: is a published fleet root (versions/ and current); "
+                         "update it with the retrain flow (cartridges retrain)")
     if (directory / MANIFEST).exists():
         if not resume:
             raise FleetError(f"{directory}: already holds a fleet; pass --resume to continue or update it")
@@ -81,9 +89,26 @@ def check_target(directory: str | Path, resume: bool) -> None:
         raise FleetError(f"{directory}: exists and is not an empty directory; choose a new --fleet directory")
 
 
+def _initialize(lm: LoadedModel, job: dict) -> DocEntry:
+    entry = DocEntry(**job["entry"])
+    try:
+        res = new_resident(lm, entry, job["text"], job["p"], job["frozen"], job["lr"])
+    except CorpusError as exc:
+        raise CorpusError(f"{job['path']}: {exc}") from exc
+    return save_resident(Path(job["directory"]), lm, entry, res)
+
+
+def init_document(job: dict) -> dict:
+    """One document's corpus-init cartridge, computed and written by a worker; returns its entry."""
+    from stages.fanout import worker_model
+
+    return asdict(_initialize(worker_model(job["model"]), job))
+
+
 def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: FleetConfig, resume: bool,
-            log: Callable[[str], None] = print) -> dict:
-    """Create or reconcile the fleet directory; new and changed documents get corpus-init cartridges.
+            log: Callable[[str], None] = print, fanout: Fanout | None = None) -> dict:
+    """Create or reconcile the fleet directory; new and changed documents get corpus-init cartridges
+    (on `fanout`'s workers when given: the fleet directory must then be on a shared filesystem).
 
     Returns {"manifest", "initialized" (doc ids), "removed" (names), "trainable", "residents"}.
     """
@@ -107,7 +132,7 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
     old = manifest.by_name()
     removed = sorted(set(old) - set(given))
     next_id = max([d.doc_id for d in manifest.documents], default=-1) + 1
-    entries, initialized = [], []
+    entries, initialized, jobs = [], [], []
     for doc in documents:
         entry = old.get(doc["name"])
         if entry is not None and entry.sha256 == doc["sha256"]:
@@ -118,14 +143,18 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
         else:
             doc_id, next_id = next_id, next_id + 1
         fresh = DocEntry(doc_id, doc["name"], doc["sha256"], doc["tokens"])
-        try:
-            res = new_resident(lm, fresh, doc["text"], config.p, config.frozen, config.lr)
-        except CorpusError as exc:
-            raise CorpusError(f"{doc['path']}: {exc}") from exc
-        save_resident(directory, lm, fresh, res)
+        job = {"directory": str(directory), "entry": asdict(fresh), "text": doc["text"], "path": doc["path"],
+               "p": config.p, "frozen": config.frozen, "lr": config.lr}
+        if fanout is None:
+            fresh = _initialize(lm, job)
+        else:
+            jobs.append({**job, "model": fanout.model})
         entries.append(fresh)
         initialized.append(doc_id)
         log(f"{'re-initialized' if entry is not None else 'initialized'} {doc['name']} (doc {doc_id})")
+    if jobs:
+        done = {d["doc_id"]: DocEntry(**d) for d in fanout.map(init_document, jobs)}
+        entries = [done.get(e.doc_id, e) for e in entries]
     manifest.documents = sorted(entries, key=lambda e: e.doc_id)
     manifest.config = config.to_dict()
     trained_before = [e.doc_id for e in entries if e.doc_id not in initialized]
@@ -153,9 +182,12 @@ def eval_parts(doc_id: int, others: list[int], n: int, seed: int) -> tuple[list[
 def run_fleet(
     store: Store, lm: LoadedModel, docs: list[str | Path], directory: str | Path,
     config: FleetConfig = FleetConfig(), resume: bool = False, call: Call = _plain,
-    log: Callable[[str], None] = print, eval_distractors: int = 0,
+    log: Callable[[str], None] = print, eval_distractors: int = 0, fanout: Fanout | None = None,
 ) -> dict:
-    """Build, update or continue a fleet and its index; returns the run summary."""
+    """Build, update or continue a fleet and its index; returns the run summary.
+
+    With `fanout`, new and changed documents are initialized on its workers.
+    """
     directory = Path(directory)
     files = fleet_files(docs, config.ingest)
     model_id = fingerprint_id(lm.fingerprint)
@@ -164,7 +196,7 @@ def run_fleet(
     try:
         docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest, tokenizer_id=model_id, run_id=run_id)
         documents = store.table(docs_art).to_pylist()
-        state = call(prepare, lm, documents, directory, config, resume, log)
+        state = call(prepare, lm, documents, directory, config, resume, log, fanout)
         manifest: Manifest = state["manifest"]
         by_name = {d["name"]: d for d in documents}
         token_ids = {d["name"]: list(lm.tokenizer(d["text"], add_special_tokens=False)["input_ids"]) for d in documents}
@@ -194,7 +226,8 @@ def run_fleet(
         per_doc = []
         for entry in manifest.documents:
             item = {"name": entry.name, "doc_id": entry.doc_id, "steps": entry.steps,
-                    "heldout_before": entry.heldout_before, "changed": entry.doc_id in state["initialized"]}
+                    "heldout_before": entry.heldout_before, "changed": entry.doc_id in state["initialized"],
+                    "trained": any(entry.name in r["docs"] for r in rows)}
             if evaluate and entry.doc_id in state["trainable"]:
                 item["heldout_after"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []))
                 if eval_distractors:
@@ -213,6 +246,7 @@ def run_fleet(
                    "removed": state["removed"], "documents": per_doc, "losses": [r["loss"] for r in rows],
                    "steps_table": rows, "index_chunks": manifest.index["n_chunks"],
                    "seconds": time.perf_counter() - started}
+        write_run_report(store, summary, markdown_summary, f"fleet run {run_id}")
         store.catalog.finish_run(run_id, "complete", {k: v for k, v in summary.items() if k != "steps_table"})
         return summary
     except BaseException as exc:

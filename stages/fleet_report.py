@@ -25,6 +25,14 @@ def summary_lines(s: dict) -> list[str]:
 
 
 def markdown_summary(s: dict) -> str:
+    """What trained, what was left untouched as unchanged, losses, timings, and the loss curve's path."""
     body = "\n".join(f"- {line.strip()}" for line in summary_lines(s))
     curve = ", ".join(f"{x:.3f}" for x in (s.get("losses") or [])[:100])
-    return f"# Fleet run {s.get('run_id', '')}\n\n{body}\n\nPer-round loss: {curve}\n"
+    trained = [d["name"] for d in s["documents"] if d.get("trained")]
+    untouched = [d["name"] for d in s["documents"] if not d.get("trained")]
+    return (f"# Fleet run {s.get('run_id', '')}\n\n{body}\n\n"
+            f"- trained this run: {', '.join(trained) or 'none'}\n"
+            f"- untouched (unchanged): {', '.join(untouched) or 'none'}\n"
+            f"- removed: {', '.join(s.get('removed') or []) or 'none'}\n\n"
+            f"Per-round loss: {curve or 'none (no rounds)'}\n\n"
+            f"Loss curve: `{s.get('loss_png') or 'none (no rounds)'}`\n")

@@ -20,6 +20,9 @@ from tqdm import tqdm
 from cartridges.models import LoadedModel, fingerprint_id
 from schemas import PipelineConfig
 from stages import chunks, ingest, synthesize, teacher, train
+from stages.fanout import Fanout
+from stages.report import markdown_summary
+from stages.run_report import write_run_report
 from storage import Store
 from storage.atomic import atomic_path
 
@@ -65,9 +68,12 @@ def _bar(total: int | None, desc: str, unit: str):
 def run_pipeline(
     store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig = PipelineConfig(),
     save: str | Path | None = None, force: tuple[str, ...] = (), call: Call = _plain,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = print, fanout: Fanout | None = None,
 ) -> dict:
-    """Run every stage (skipping unchanged ones) and return the run summary."""
+    """Run every stage (skipping unchanged ones) and return the run summary.
+
+    With `fanout`, synthesis and teacher shards run on its workers (same rows as in-process).
+    """
     model_id = fingerprint_id(lm.fingerprint)
     run_id = store.catalog.start_run("cartridge")
     started = time.perf_counter()
@@ -79,10 +85,10 @@ def run_pipeline(
         planned = plan.rows
         with _bar(None, "self-study", "tok") as bar:
             convs = call(synthesize.run, store, lm, docs, plan, config.synth, model_id=model_id,
-                         force="synthesize" in force, run_id=run_id, progress=bar.update)
+                         force="synthesize" in force, run_id=run_id, progress=bar.update, fanout=fanout)
         with _bar(None, "teacher", "conv") as bar:
             targets = call(teacher.run, store, lm, convs, config.teacher, model_id=model_id,
-                           force="teacher" in force, run_id=run_id, progress=bar.update)
+                           force="teacher" in force, run_id=run_id, progress=bar.update, fanout=fanout)
         with _bar(None, "train", "step") as bar:
             def on_step(row: dict) -> None:
                 bar.update(1)
@@ -96,6 +102,10 @@ def run_pipeline(
         if save:
             cartridge = export(cartridge, Path(save))
         summary["cartridge"] = str(cartridge)
+        summary["stages"] = [{"stage": a.stage, "artifact": a.id, "skipped": a.skipped, "rows": a.rows,
+                              "seconds": None if a.skipped else a.seconds}
+                             for a in (docs, plan, convs, targets, trained)]
+        write_run_report(store, summary, markdown_summary, f"cartridge run {run_id}")
         store.catalog.finish_run(run_id, "complete", summary)
         return summary
     except BaseException as exc:

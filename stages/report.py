@@ -29,8 +29,19 @@ def summary_lines(s: dict) -> list[str]:
     ]
 
 
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
 def markdown_summary(s: dict) -> str:
+    """What ran and what was skipped as unchanged, losses, timings, and the loss curve's path."""
     losses = s.get("losses") or []
     curve = ", ".join(f"{x:.3f}" for x in losses[:50])
     body = "\n".join(f"- {line}" for line in summary_lines(s))
-    return f"# Cartridge run {s.get('run_id', '')}\n\n{body}\n\nPer-step loss: {curve}\n"
+    table = ["| stage | artifact | this run | rows | seconds |", "|---|---|---|---|---|"]
+    for st in s.get("stages") or []:
+        table.append(f"| {st['stage']} | `{st['artifact']}` | {'skipped (unchanged)' if st['skipped'] else 'ran'} "
+                     f"| {st['rows']} | {_seconds(st['seconds'])} |")
+    return (f"# Cartridge run {s.get('run_id', '')}\n\n{body}\n\n" + "\n".join(table)
+            + f"\n\nTotal {_seconds(s.get('seconds'))} s. Per-step loss: {curve}\n\n"
+            + f"Loss curve: `{s.get('loss_png') or 'none (no training steps)'}`\n")

@@ -21,6 +21,7 @@ from cartridges.generate import Stream, generate, loop_start
 from cartridges.models import LoadedModel
 from cartridges.seeds import SEEDS, bot_a_prompt, clean_question, score_answer, score_message
 from schemas import TABLES, SynthConfig, validate_table
+from stages.fanout import Fanout
 from storage import StageContext, Store
 from storage.faults import fault_point
 
@@ -116,12 +117,25 @@ def _row(chunk: dict, config: SynthConfig, question: str, ok: bool, reason: str,
     }
 
 
+def synth_shard(job: dict) -> int:
+    """One shard of conversations, computed and written by a worker (no catalog); returns its rows."""
+    from stages.fanout import worker_model
+    from storage.shards import write_shard
+
+    lm = worker_model(job["model"])
+    rows = synthesize_group(lm, job["chunks"], job["contexts"], SynthConfig.from_dict(job["config"]))
+    table = validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"]))
+    write_shard(job["dir"], job["shard"], table)
+    fault_point(f"synthesize.shard.{job['shard']}")
+    return len(rows)
+
+
 def run(
     store: Store, lm: LoadedModel, documents, chunks, config: SynthConfig = SynthConfig(),
     model_id: str = "", force: bool = False, run_id: str | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, fanout: Fanout | None = None,
 ):
-    """Conversations for every planned chunk, sharded by `gen_batch`."""
+    """Conversations for every planned chunk, sharded by `gen_batch`; `fanout` sends shards to workers."""
 
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
@@ -129,14 +143,21 @@ def run(
         plan = ctx.read(chunks).to_pylist()
         done = ctx.done_shards()
         size = config.gen_batch
+        jobs = []
         for shard, start in enumerate(range(0, len(plan), size)):
             if shard in done:
                 continue
             group = plan[start : start + size]
             contexts = [chunk_context(c, names, len(docs) > 1, lm.tokenizer) for c in group]
+            if fanout is not None:
+                jobs.append({"model": fanout.model, "config": config.to_dict(), "chunks": group,
+                             "contexts": contexts, "dir": str(ctx.dir), "shard": shard})
+                continue
             rows = synthesize_group(lm, group, contexts, config, progress)
             ctx.write_shard(shard, validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"])))
             fault_point(f"synthesize.shard.{shard}")
+        if jobs:
+            fanout.map(synth_shard, jobs)
 
     cfg = {**config.to_dict(), "model": model_id}
     return store.run(NAME, VERSION, cfg, [documents, chunks], work, force=force, run_id=run_id)

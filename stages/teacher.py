@@ -13,6 +13,7 @@ import pyarrow as pa
 from cartridges.models import LoadedModel
 from cartridges.targets import teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
+from stages.fanout import Fanout
 from storage import StageContext, Store
 from storage.faults import fault_point
 
@@ -46,23 +47,43 @@ def target_rows(lm: LoadedModel, convs: list[dict], config: TeacherConfig) -> li
     return rows
 
 
+def teacher_shard(job: dict) -> int:
+    """One shard of targets, computed and written by a worker (no catalog); returns its rows."""
+    from stages.fanout import worker_model
+    from storage.shards import write_shard
+
+    rows = target_rows(worker_model(job["model"]), job["conversations"], TeacherConfig.from_dict(job["config"]))
+    write_shard(job["dir"], job["shard"], validate_table("targets", pa.Table.from_pylist(rows, schema=TABLES["targets"])))
+    fault_point(f"teacher.shard.{job['shard']}")
+    return len(rows)
+
+
 def run(
     store: Store, lm: LoadedModel, conversations, config: TeacherConfig = TeacherConfig(),
     model_id: str = "", force: bool = False, run_id: str | None = None,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, fanout: Fanout | None = None,
 ):
+    """Targets for every usable conversation, `SHARD` per shard; `fanout` sends shards to workers."""
+
     def work(ctx: StageContext) -> None:
         filtered = bool(conversations.config.get("filter", True))
         convs = [c for c in ctx.read(conversations).to_pylist() if usable(c, filtered)]
         done = ctx.done_shards()
+        jobs = []
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
-            if shard not in done:
+            if shard not in done and fanout is not None:
+                needed = ["conv_id", "teacher_ids", "answer_start", "student_answer_start"]
+                jobs.append({"model": fanout.model, "config": config.to_dict(), "dir": str(ctx.dir),
+                             "shard": shard, "conversations": [{k: c[k] for k in needed} for c in group]})
+            elif shard not in done:
                 rows = target_rows(lm, group, config)
                 ctx.write_shard(shard, validate_table("targets", pa.Table.from_pylist(rows, schema=TABLES["targets"])))
                 fault_point(f"teacher.shard.{shard}")
-            if progress:
+            if progress and fanout is None:
                 progress(len(group))
+        if jobs:
+            fanout.map(teacher_shard, jobs)
 
     cfg = {**config.to_dict(), "model": model_id}
     return store.run(NAME, VERSION, cfg, [conversations], work, force=force, run_id=run_id)

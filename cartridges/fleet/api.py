@@ -7,7 +7,7 @@ from pathlib import Path
 from cartridges.cartridge import Cartridge, compose_rows
 from cartridges.errors import FleetError
 from cartridges.fleet.index import Index, embed_text
-from cartridges.fleet.manifest import Manifest, check_model, read_manifest
+from cartridges.fleet.manifest import Manifest, check_model, read_manifest, resolve
 from cartridges.fleet.residents import load_rows
 from cartridges.models import LoadedModel
 from cartridges.prefix import Rows
@@ -30,6 +30,8 @@ class Fleet:
 
     @classmethod
     def open(cls, directory: str | Path, lm: LoadedModel) -> Fleet:
+        """A fleet directory, or a published fleet root: then the version `current` points at now."""
+        directory = resolve(directory)
         manifest = read_manifest(directory)
         check_model(manifest, lm.fingerprint, directory)
         return cls(Path(directory), lm, manifest)

@@ -1,10 +1,17 @@
-"""`cartridges fleet` (train, update or re-index a fleet) and `cartridges ask --fleet`."""
+"""`cartridges fleet` (train, update or re-index a fleet), `cartridges retrain` and `cartridges ask --fleet`."""
 
 from __future__ import annotations
 
 import argparse
 
-from cartridges.cli import add_common, add_model_args, command, emit_json
+from cartridges.cli import (
+    add_common,
+    add_model_args,
+    add_runner_args,
+    check_runner,
+    command,
+    emit_json,
+)
 from cartridges.errors import CartridgeError
 
 # CLI option -> (FleetConfig field or "section.field", type).
@@ -40,6 +47,19 @@ def add_parsers(sub) -> None:
     p.add_argument("--eval-distractors", type=int, default=0,
                    help="also score each document's held-out loss with this many distractors co-loaded")
     p.add_argument("--no-prefect", action="store_true", help="call the steps directly, without a Prefect flow run")
+    add_runner_args(p)
+    add_common(p)
+
+    p = sub.add_parser("retrain", help="retrain the changed documents of a published fleet, publish a new version")
+    add_model_args(p)
+    p.add_argument("--docs", action="append", nargs="+", help="document files or directories (top-level .md/.txt)")
+    p.add_argument("--fleet", required=True, help="fleet root: versions/NNNN/ and the current link")
+    p.add_argument("--preset", default=None, help="budget preset (default: the live fleet's own config)")
+    p.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
+    p.add_argument("--serve-url", default=None,
+                   help="server to reload after publishing (default $CARTRIDGES_SERVE_URL; key from $CARTRIDGES_API_KEY)")
+    p.add_argument("--serve-pid-file", default=None, help="or: send SIGHUP to the server PID in this file")
+    add_runner_args(p)
     add_common(p)
 
 
@@ -80,6 +100,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     for path in fleet_files(docs, cfg.ingest):  # bad input fails here, before any run starts
         read_text(path, cfg.ingest.max_bytes)
     check_target(args.fleet, args.resume)
+    check_runner(args)
     if args.no_prefect:
         from cartridges.models import load_model
         from stages.fleet import run_fleet
@@ -92,9 +113,30 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
         summary = fleet_flow(docs=[str(d) for d in docs], fleet=args.fleet, config=cfg.to_dict(), model=args.model,
                              device=args.device, store_root=args.store, resume=args.resume,
-                             eval_distractors=args.eval_distractors)
+                             eval_distractors=args.eval_distractors, task_runner=args.task_runner,
+                             dask_address=args.dask_address)
     for line in summary_lines(summary):
         print(line)
+    emit_json(args, summary)
+    return 0
+
+
+@command("retrain")
+def cmd_retrain(args: argparse.Namespace) -> int:
+    from flows.retrain import retrain_flow
+
+    docs = [d for group in (args.docs or []) for d in group]
+    if not docs:
+        raise CartridgeError("--docs is required: document files or directories")
+    args.no_prefect = False
+    check_runner(args)
+    summary = retrain_flow(docs=[str(d) for d in docs], fleet=args.fleet, preset=args.preset, model=args.model,
+                           device=args.device, store_root=args.store, serve_url=args.serve_url,
+                           serve_pid_file=args.serve_pid_file, task_runner=args.task_runner,
+                           dask_address=args.dask_address)
+    print(summary["message"])
+    if summary["trained"]:
+        print(f"trained: {', '.join(summary['trained'])} ({summary['rounds_run']} rounds)")
     emit_json(args, summary)
     return 0
 

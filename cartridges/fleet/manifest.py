@@ -15,6 +15,7 @@ from pathlib import Path
 
 from cartridges.errors import FleetError
 from storage.atomic import write_json_atomic
+from storage.versions import current, is_versioned
 
 MANIFEST = "fleet.json"
 FORMAT = "cartridges-fleet"
@@ -67,6 +68,17 @@ class Manifest:
         out = asdict(self)
         out = {"format": FORMAT, "format_version": FORMAT_VERSION, **out}
         return out
+
+
+def resolve(directory: Path | str) -> Path:
+    """A fleet directory, or a published fleet root (`versions/` + `current`): the version to read."""
+    directory = Path(directory)
+    if is_versioned(directory):
+        version = current(directory)
+        if version is None:
+            raise FleetError(f"{directory}: fleet root has no published version (no valid 'current' link)")
+        return version
+    return directory
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> Path:

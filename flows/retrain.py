@@ -1,0 +1,38 @@
+"""The `retrain` flow: retrain the documents of a published fleet that changed, publish a new version.
+
+Prefect's own task caching is off (`cache_policy=NONE`): the catalog's fingerprints
+are the one cache. Deployed as `retrain/scheduled` (see flows/deploy.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from cartridges.models import load_model
+from flows.fleet import as_task
+from flows.runners import fanout
+from stages.retrain import markdown_summary, notify_reload, retrain_config, run_retrain
+from storage import Store
+
+
+@flow(name="retrain", log_prints=True)
+def retrain_flow(
+    docs: list[str], fleet: str, preset: str | None = None, config: dict | None = None, model: str | None = None,
+    device: str | None = None, store_root: str | None = None, serve_url: str | None = None,
+    serve_pid_file: str | None = None, task_runner: str = "local", dask_address: str | None = None,
+) -> dict:
+    """`fleet` is the fleet root (versions/ + current). Without `preset` the live fleet's own config
+    is used, `config` overriding it. The reload goes to `serve_url` ($CARTRIDGES_SERVE_URL; API key
+    from $CARTRIDGES_API_KEY) and/or SIGHUP to the PID in `serve_pid_file`."""
+    cfg = retrain_config(fleet, preset, config)
+    store = Store(store_root)
+    lm = load_model(model, device)
+    notify = partial(notify_reload, serve_url, serve_pid_file)
+    with fanout(task_runner, dask_address, model, device) as workers:
+        summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, notify=notify)
+    create_markdown_artifact(markdown=markdown_summary(summary), key="retrain-summary",
+                             description="fleet retrain run")
+    return summary

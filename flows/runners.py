@@ -1,0 +1,64 @@
+"""Where a flow's independent pieces run: in the flow process, or on Dask workers (prefect-dask).
+
+`fanout(...)` yields None for in-process runs, else a `stages.fanout.Fanout` whose
+`map` submits each job as a Prefect task to a `DaskTaskRunner`: a temporary
+LocalCluster, or the scheduler at `dask_address` (workers on other machines need
+the same code, model files and store root, e.g. a shared filesystem).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import torch
+from prefect import task
+from prefect.cache_policies import NONE
+
+from stages.fanout import Fanout, WorkerModel
+
+RUNNERS = ("local", "dask")
+
+
+def _api_for_workers() -> contextlib.AbstractContextManager:
+    """Without a configured Prefect API the flow uses a temporary local server; hand its
+    address to the workers (through the task context) so they report to it instead of
+    each starting one of their own."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    if get_current_settings().api.url:
+        return contextlib.nullcontext()
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    server.start()
+    return temporary_settings({PREFECT_API_URL: server.api_url})
+
+
+@contextlib.contextmanager
+def fanout(task_runner: str = "local", dask_address: str | None = None, model: str | None = None,
+           device: str | None = None, dask_workers: int | None = None) -> Iterator[Fanout | None]:
+    if task_runner not in RUNNERS:
+        raise ValueError(f"task runner {task_runner!r}: choose one of {', '.join(RUNNERS)}")
+    if task_runner == "local":
+        yield None
+        return
+    from prefect_dask import DaskTaskRunner
+
+    if dask_address:
+        runner = DaskTaskRunner(address=dask_address)
+    else:
+        runner = DaskTaskRunner(cluster_kwargs={"n_workers": dask_workers or 2, "threads_per_worker": 1,
+                                                "processes": True, "dashboard_address": None})
+    with _api_for_workers(), runner:
+        # Stages call `map` from inside their own task run; submit in the flow's context instead
+        # (a task run's context does not serialize), so the pieces are tasks of the flow run.
+        flow_context = contextvars.copy_context()
+
+        def submit_all(fn, jobs):
+            piece = task(fn, name=fn.__name__, cache_policy=NONE, persist_result=False)
+            futures = flow_context.copy().run(lambda: [runner.submit(piece, {"job": job}) for job in jobs])
+            return [f.result() for f in futures]
+
+        yield Fanout(map=submit_all, model=WorkerModel(model, device, torch.get_num_threads()))

@@ -1,0 +1,53 @@
+"""Independent pieces of a stage (shards, documents) sent to other processes.
+
+A stage that can fan out takes a `Fanout`: a `map(fn, jobs)` that runs `fn(job)` for
+every job somewhere (the flow passes one backed by Dask workers) and returns the
+results in order, plus the model reference the workers load. Jobs carry only plain
+data (configs as dicts, rows, paths); a worker loads the model once per process,
+with the flow's thread count, computes, and writes its own output files (Parquet
+shards, cartridge files) under the store root, which may be a shared filesystem.
+Workers never open the catalog: the stage's `store.run` in the flow process records
+the artifact once every shard is written. Nothing here knows about Prefect or Dask.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cartridges.models import LoadedModel, load_model
+
+Map = Callable[[Callable[[Any], Any], list[Any]], list[Any]]
+
+
+@dataclass(frozen=True)
+class WorkerModel:
+    """How a worker loads the flow's model: the same spec and device, the same thread count."""
+
+    spec: str | None
+    device: str | None
+    threads: int
+
+
+@dataclass(frozen=True)
+class Fanout:
+    map: Map
+    model: WorkerModel
+
+
+_MODELS: dict[tuple, LoadedModel] = {}
+_LOCK = threading.Lock()
+
+
+def worker_model(ref: WorkerModel) -> LoadedModel:
+    """The model for this process (loaded on first use), with the flow's thread count set."""
+    torch.set_num_threads(ref.threads)
+    key = (ref.spec, ref.device)
+    with _LOCK:
+        if key not in _MODELS:
+            _MODELS[key] = load_model(ref.spec, ref.device)
+        return _MODELS[key]

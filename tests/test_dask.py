@@ -1,0 +1,66 @@
+"""Scale-out on Dask (prefect-dask): shards and document initialization on worker processes
+give the same Parquet rows and cartridge files as the in-process run."""
+
+from __future__ import annotations
+
+import pytest
+
+from cartridges.models import load_model
+from schemas.presets import fleet_preset, preset
+from stages.fleet import run_fleet
+from stages.pipeline import run_pipeline
+from storage import Store
+from tests.test_fleet_run import contents_of, quiet, write_docs
+from tests.test_pipeline import CORPUS
+
+distributed = pytest.importorskip("distributed")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                  dashboard_address=None) as c:
+        yield c
+
+
+def table(store_root, stage):
+    store = Store(store_root)
+    return store.table(store.latest(stage)).to_pylist()
+
+
+def test_synthesis_and_teacher_shards_on_two_dask_workers_equal_the_in_process_run(
+        tmp_path, tiny_model_dir, cluster):
+    from flows.cartridge import cartridge_flow
+
+    corpus = tmp_path / "corpus.md"
+    corpus.write_text(CORPUS)
+    common = {"corpus": [str(corpus)], "model": str(tiny_model_dir), "preset": "smoke",
+              "config": {"synth": {"filter": False, "gen_batch": 4}}}
+    local = run_pipeline(Store(tmp_path / "local"), load_model(str(tiny_model_dir)), [corpus],
+                         preset("smoke", common["config"]), log=quiet)
+    spread = cartridge_flow(**common, store_root=str(tmp_path / "dask"), task_runner="dask",
+                            dask_address=cluster.scheduler_address)
+    convs = table(tmp_path / "local", "synthesize")
+    assert len(convs) == 10
+    store = Store(tmp_path / "dask")
+    shards = sorted(p.name for p in store.dir(store.latest("synthesize")).iterdir())
+    assert shards == [f"part-{i:05d}.parquet" for i in range(3)]  # one per gen_batch, written by the workers
+    assert table(tmp_path / "dask", "synthesize") == convs
+    assert table(tmp_path / "dask", "teacher") == table(tmp_path / "local", "teacher")
+    assert spread["losses"] == local["losses"] and len(local["losses"]) > 0
+    assert [a.stage for a in store.catalog.artifacts() if a.status == "complete"] == [
+        a.stage for a in Store(tmp_path / "local").catalog.artifacts() if a.status == "complete"]
+
+
+def test_document_initialization_on_dask_workers_writes_the_same_cartridges(tmp_path, tiny_model_dir, cluster):
+    from flows.fleet import fleet_flow
+
+    docs = write_docs(tmp_path / "docs")
+    common = {"docs": [str(docs)], "model": str(tiny_model_dir), "preset": "smoke", "config": {"rounds": 1}}
+    run_fleet(Store(tmp_path / "s1"), load_model(str(tiny_model_dir)), [docs], tmp_path / "local",
+              fleet_preset("smoke", common["config"]), log=quiet)
+    fleet_flow(**common, fleet=str(tmp_path / "dask"), store_root=str(tmp_path / "s2"), task_runner="dask",
+               dask_address=cluster.scheduler_address)
+
+    local = contents_of(tmp_path / "local")
+    assert contents_of(tmp_path / "dask") == local and len(local) == 6
