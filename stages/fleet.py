@@ -14,6 +14,7 @@ whole fleet continues from its saved rows, moments, step counters and residents.
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,10 +40,16 @@ from cartridges.spans import keyed_seed
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
 from stages import fleet_data, ingest
 from stages.fleet_train import FleetTrainer
-from storage import Store
+from storage import Store, shards
+from storage.errors import StoreError
+from storage.faults import fault_point
 
 NAME = "fleet"
 VERSION = 1
+# Each round's train_steps row, written as the round finishes (one shard per round, replaced
+# whole when a resumed run replays the round), recorded in the catalog and cleared at the end
+# of a run: rows of rounds a crashed run kept in a checkpoint are not lost.
+JOURNAL = ".train_steps"
 Call = Callable[..., Any]
 
 
@@ -77,8 +84,19 @@ def check_target(directory: str | Path, resume: bool) -> None:
             raise FleetError(f"{directory}: already holds a fleet; pass --resume to continue or update it")
     elif resume:
         raise FleetError(f"{directory}: no fleet to resume (no {MANIFEST})")
-    elif directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+    elif directory.exists() and (not directory.is_dir() or not _leftovers_only(directory)):
         raise FleetError(f"{directory}: exists and is not an empty directory; choose a new --fleet directory")
+
+
+def _leftovers_only(directory: Path) -> bool:
+    """Empty, or holding only files a first run left when it died before writing its manifest."""
+    for path in directory.iterdir():
+        name = path.name
+        leftover = path.is_file() and (name.startswith(("doc-", "index")) or
+                                       (name.startswith(".") and name.endswith(".tmp")))
+        if not leftover and not (name == JOURNAL and path.is_dir()):
+            return False
+    return True
 
 
 def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: FleetConfig, resume: bool,
@@ -123,6 +141,7 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
         except CorpusError as exc:
             raise CorpusError(f"{doc['path']}: {exc}") from exc
         save_resident(directory, lm, fresh, res)
+        fault_point(f"fleet.prepare.{doc_id}")
         entries.append(fresh)
         initialized.append(doc_id)
         log(f"{'re-initialized' if entry is not None else 'initialized'} {doc['name']} (doc {doc_id})")
@@ -178,9 +197,12 @@ def run_fleet(
                 art = call(fleet_data.heldout_data, store, lm, docs_by_id[doc_id], config, model_id, run_id)
                 heldout[doc_id] = fleet_data.examples(store, art)
         trainer = FleetTrainer(directory, lm, manifest, config, state["trainable"], state["residents"])
-        for doc_id in state["initialized"]:
+        trainer.journal = lambda row: journal_row(directory, {"run_id": run_id, **row})
+        for doc_id in state["trainable"]:
             entry = manifest.by_id()[doc_id]
-            entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
+            # new documents, and untrained ones whose first run died before a checkpoint kept the figure
+            if doc_id in state["initialized"] or (entry.steps == 0 and entry.heldout_before is None and evaluate):
+                entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
         rows = []
         first = manifest.rounds
         for r in range(first, first + config.rounds):
@@ -203,10 +225,15 @@ def run_fleet(
                     item["heldout_coloaded"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []),
                                                                     chosen, pos)
             per_doc.append(item)
-        if rows:
-            call(record_steps, store, rows, directory, config, run_id)
+        recorded = journal_rows(directory, manifest.rounds, log)
+        if recorded:
+            call(record_steps, store, recorded, directory, config, run_id)
+            fault_point("fleet.steps.recorded")
+        shutil.rmtree(directory / JOURNAL, ignore_errors=True)
         manifest.index = call(index, lm, list(docs_by_id.values()), directory, config)
+        fault_point("fleet.publish.manifest")
         write_manifest(directory, manifest)
+        fault_point("fleet.publish.prune")
         prune(directory, manifest)
         summary = {"run_id": run_id, "fleet": str(directory), "rounds_run": len(rows), "rounds": manifest.rounds,
                    "residents": [trainer.entries[d].name for d in trainer.residents],
@@ -220,12 +247,34 @@ def run_fleet(
         raise
 
 
+def journal_row(directory: Path, row: dict) -> None:
+    """Keep one round's row in the fleet directory until the run records it in the catalog."""
+    table = validate_table("train_steps", pa.Table.from_pylist([row], schema=TABLES["train_steps"]))
+    shards.write_shard(Path(directory) / JOURNAL, row["step"], table)
+
+
+def journal_rows(directory: Path, rounds: int, log: Callable[[str], None] = print) -> list[dict]:
+    """Journaled rows of rounds the fleet kept (step < `rounds`), by step; rows of rounds a crash
+    lost (to be replayed) are left out, and an unreadable shard is reported and skipped."""
+    rows = []
+    for step, path in shards.done_shards(Path(directory) / JOURNAL).items():
+        if step >= rounds:
+            continue
+        try:
+            rows += shards.read_shard(path, TABLES["train_steps"]).to_pylist()
+        except StoreError as exc:
+            log(f"warning: train_steps row of round {step} lost: {exc}")
+    return rows
+
+
 def record_steps(store: Store, rows: list[dict], directory: Path, config: FleetConfig, run_id: str):
-    """This run's rounds as the `train_steps` table: one shard per round."""
+    """The journaled rounds (this run's, and those of crashed runs it continued) as the
+    `train_steps` table: one shard per round."""
     def work(ctx) -> None:
         for row in rows:
             table = pa.Table.from_pylist([row], schema=TABLES["train_steps"])
             ctx.write_shard(row["step"], validate_table("train_steps", table), table="train_steps")
+            fault_point("fleet.steps.shard")
 
     cfg = {"fleet": str(Path(directory).resolve()), "run_id": run_id, "config": config.to_dict()}
     return store.run(NAME, VERSION, cfg, [], work, run_id=run_id)
