@@ -22,6 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from cartridges.corpus import check_inside
 from cartridges.errors import CorpusError, FleetError
 from cartridges.fleet.budget import initial_residents
 from cartridges.fleet.index import build_index, contract
@@ -68,7 +69,7 @@ def fleet_files(paths: list[str | Path], config: IngestConfig = IngestConfig()) 
             found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in config.extensions)
             if not found:
                 raise CorpusError(f"{path}: directory has no top-level {'/'.join(config.extensions)} files")
-            out += found
+            out += [check_inside(p, path) for p in found]
         elif path.exists():
             out.append(path)
         else:
