@@ -43,9 +43,9 @@ KILL_POINTS = [
 ]
 # The suite kills at one point per stage (a few minutes on 2 cores); CARTRIDGES_CRASH_ALL=1, or
 # `python -m bench.crash_fleet`, tries every point above.
-SUITE = ("ingest.shard.0", "fleet.prepare.1", "synthesize.questions@2", "teacher.batch@5",
+SUITE = ("ingest.shard.0", "fleet.prepare.1", "synthesize.questions@2", "teacher.batch@5", "fleet.round.0",
          "fleet.save.optimizer@5", "fleet.checkpoint.manifest@1", "fleet.steps.shard@3", "fleet.index.faiss",
-         "atomic.write.fleet.json@6")
+         "fleet.publish.manifest", "atomic.write.fleet.json@6")
 CASES = KILL_POINTS if os.environ.get("CARTRIDGES_CRASH_ALL") else [k for k in KILL_POINTS if k[0] in SUITE]
 
 
