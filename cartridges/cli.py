@@ -376,14 +376,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except CartridgeError as exc:
-        if args.debug:
+    except Exception as exc:
+        if args.debug or not _user_error(exc):
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        hint = " (disk full: free space and rerun the command; finished work is kept)" if isinstance(
+            exc, OSError) else ""
+        print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _user_error(exc: Exception) -> bool:
+    """Errors whose message names the file and the fix: no traceback for these."""
+    import errno
+
+    kinds = [CartridgeError]
+    for module, name in (("storage.errors", "StoreError"), ("schemas.configs", "ConfigError")):
+        kind = getattr(sys.modules.get(module), name, None)  # loaded iff such an error can occur
+        if kind is not None:
+            kinds.append(kind)
+    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return full or isinstance(exc, tuple(kinds))
 
 
 if __name__ == "__main__":

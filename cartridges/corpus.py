@@ -33,6 +33,20 @@ def read_text(path: str | Path, max_bytes: int = MAX_BYTES) -> str:
     return text
 
 
+def check_inside(path: Path, root: Path) -> Path:
+    """A file found in a corpus directory must be inside it, symbolic links resolved.
+
+    A link out of the directory is refused rather than followed: a corpus directory is a
+    boundary (a link to /etc/passwd named notes.md must not end up in a cartridge). A file
+    outside can still be given explicitly.
+    """
+    target = path.resolve()
+    if not target.is_relative_to(root.resolve()):
+        raise CorpusError(f"{path}: symbolic link to {target}, outside the corpus directory {root}; "
+                          "copy the file in or give it explicitly")
+    return path
+
+
 def expand(paths: list[str | Path], extensions: tuple[str, ...] = EXTENSIONS) -> list[Path]:
     """Files and directories (their .md/.txt files, sorted, recursively) as a list of files."""
     out: list[Path] = []
@@ -42,7 +56,7 @@ def expand(paths: list[str | Path], extensions: tuple[str, ...] = EXTENSIONS) ->
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in extensions)
             if not found:
                 raise CorpusError(f"{path}: directory has no {'/'.join(extensions)} files")
-            out += found
+            out += [check_inside(p, path) for p in found]
         elif path.exists() or path.is_symlink():
             out.append(path)
         else:

@@ -1,8 +1,9 @@
 """Cartridge files: safetensors (never pickle), one K/V pair per layer plus metadata.
 
 Geometry is recovered from the tensors alone. A sha256 over the tensor bytes is kept
-in the metadata because safetensors has no checksum of its own, so bit flips are
-caught. Writes are atomic (temp file, fsync, rename).
+in the metadata because safetensors has no checksum of its own, and another over the
+metadata itself (`header_checksum`), so bit flips anywhere in the file are caught.
+Writes are atomic (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+_OLD_FIELDS = {"format", "format_version", "model_fingerprint", "p", "frozen", "dtype", "n_layers", "meta",
+               "checksum", "step", "adam_step", "n_params"}
+
+
+def _header_checksum(header: dict) -> str:
+    body = {k: v for k, v in header.items() if k != "header_checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _sealed(header: dict) -> dict:
+    return {**header, "header_checksum": _header_checksum(header)}
+
+
 def cartridge_bytes(cart: Cartridge, fingerprint: dict, **meta) -> bytes:
     """Serialize a cartridge; `meta` adds fields such as corpus_sha256, steps, draft_reference."""
     tensors: dict[str, torch.Tensor] = {}
@@ -59,7 +73,7 @@ def cartridge_bytes(cart: Cartridge, fingerprint: dict, **meta) -> bytes:
         "meta": json.dumps(fields, sort_keys=True, default=str),
         "checksum": _checksum(tensors),
     }
-    return st_save(tensors, metadata=header)
+    return st_save(tensors, metadata=_sealed(header))
 
 
 def save_cartridge(path: str | Path, cart: Cartridge, fingerprint: dict, **meta) -> Path:
@@ -79,7 +93,15 @@ def _header(path: Path, data: bytes, fmt: str = FORMAT, kind: str = "cartridge")
         header = json.loads(data[8 : 8 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CartridgeFileError(f"{path}: corrupted header, not a {kind} file ({exc})") from exc
-    meta = header.get("__metadata__") or {}
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise CartridgeFileError(f"{path}: corrupted header, not a {kind} file")
+    if "header_checksum" in meta:
+        if meta["header_checksum"] != _header_checksum(meta):
+            raise CartridgeFileError(f"{path}: header checksum mismatch, the file is corrupted")
+    elif not set(meta) <= _OLD_FIELDS:  # files from before header checksums hold only these
+        raise CartridgeFileError(f"{path}: corrupted header (unknown field(s) "
+                                 f"{', '.join(sorted(set(meta) - _OLD_FIELDS))})")
     if meta.get("format") != fmt:
         raise CartridgeFileError(f"{path}: not a {kind} file (safetensors without {kind} metadata)")
     if int(meta.get("format_version", 0)) > FORMAT_VERSION:
@@ -158,7 +180,7 @@ def save_optimizer(path: str | Path, opt: torch.optim.Optimizer, step: int, **me
         "meta": json.dumps(meta, sort_keys=True, default=str), "checksum": _checksum(tensors),
     }
     path = Path(path)
-    atomic_write_bytes(path, st_save(tensors, metadata=header))
+    atomic_write_bytes(path, st_save(tensors, metadata=_sealed(header)))
     return path
 
 

@@ -14,6 +14,7 @@ whole fleet continues from its saved rows, moments, step counters and residents.
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -22,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from cartridges.corpus import check_inside
 from cartridges.errors import CorpusError, FleetError
 from cartridges.fleet.budget import initial_residents
 from cartridges.fleet.index import build_index, contract
@@ -43,11 +45,17 @@ from stages.fanout import Fanout
 from stages.fleet_report import markdown_summary
 from stages.fleet_train import FleetTrainer
 from stages.run_report import write_run_report
-from storage import Store
+from storage import Store, shards
+from storage.errors import StoreError
+from storage.faults import fault_point
 from storage.versions import is_versioned
 
 NAME = "fleet"
 VERSION = 1
+# Each round's train_steps row, written as the round finishes (one shard per round, replaced
+# whole when a resumed run replays the round), recorded in the catalog and cleared at the end
+# of a run: rows of rounds a crashed run kept in a checkpoint are not lost.
+JOURNAL = ".train_steps"
 Call = Callable[..., Any]
 
 
@@ -66,7 +74,7 @@ def fleet_files(paths: list[str | Path], config: IngestConfig = IngestConfig()) 
             found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() in config.extensions)
             if not found:
                 raise CorpusError(f"{path}: directory has no top-level {'/'.join(config.extensions)} files")
-            out += found
+            out += [check_inside(p, path) for p in found]
         elif path.exists():
             out.append(path)
         else:
@@ -85,7 +93,7 @@ def check_target(directory: str | Path, resume: bool) -> None:
             raise FleetError(f"{directory}: already holds a fleet; pass --resume to continue or update it")
     elif resume:
         raise FleetError(f"{directory}: no fleet to resume (no {MANIFEST})")
-    elif directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+    elif directory.exists() and (not directory.is_dir() or not _leftovers_only(directory)):
         raise FleetError(f"{directory}: exists and is not an empty directory; choose a new --fleet directory")
 
 
@@ -103,6 +111,17 @@ def init_document(job: dict) -> dict:
     from stages.fanout import worker_model
 
     return asdict(_initialize(worker_model(job["model"]), job))
+
+
+def _leftovers_only(directory: Path) -> bool:
+    """Empty, or holding only files a first run left when it died before writing its manifest."""
+    for path in directory.iterdir():
+        name = path.name
+        leftover = path.is_file() and (name.startswith(("doc-", "index")) or
+                                       (name.startswith(".") and name.endswith(".tmp")))
+        if not leftover and not (name == JOURNAL and path.is_dir()):
+            return False
+    return True
 
 
 def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: FleetConfig, resume: bool,
@@ -147,6 +166,7 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
                "p": config.p, "frozen": config.frozen, "lr": config.lr}
         if fanout is None:
             fresh = _initialize(lm, job)
+            fault_point(f"fleet.prepare.{doc_id}")
         else:
             jobs.append({**job, "model": fanout.model})
         entries.append(fresh)
@@ -210,9 +230,12 @@ def run_fleet(
                 art = call(fleet_data.heldout_data, store, lm, docs_by_id[doc_id], config, model_id, run_id)
                 heldout[doc_id] = fleet_data.examples(store, art)
         trainer = FleetTrainer(directory, lm, manifest, config, state["trainable"], state["residents"])
-        for doc_id in state["initialized"]:
+        trainer.journal = lambda row: journal_row(directory, {"run_id": run_id, **row})
+        for doc_id in state["trainable"]:
             entry = manifest.by_id()[doc_id]
-            entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
+            # new documents, and untrained ones whose first run died before a checkpoint kept the figure
+            if doc_id in state["initialized"] or (entry.steps == 0 and entry.heldout_before is None and evaluate):
+                entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
         rows = []
         first = manifest.rounds
         for r in range(first, first + config.rounds):
@@ -236,10 +259,15 @@ def run_fleet(
                     item["heldout_coloaded"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []),
                                                                     chosen, pos)
             per_doc.append(item)
-        if rows:
-            call(record_steps, store, rows, directory, config, run_id)
+        recorded = journal_rows(directory, manifest.rounds, log)
+        if recorded:
+            call(record_steps, store, recorded, directory, config, run_id)
+            fault_point("fleet.steps.recorded")
+        shutil.rmtree(directory / JOURNAL, ignore_errors=True)
         manifest.index = call(index, lm, list(docs_by_id.values()), directory, config)
+        fault_point("fleet.publish.manifest")
         write_manifest(directory, manifest)
+        fault_point("fleet.publish.prune")
         prune(directory, manifest)
         summary = {"run_id": run_id, "fleet": str(directory), "rounds_run": len(rows), "rounds": manifest.rounds,
                    "residents": [trainer.entries[d].name for d in trainer.residents],
@@ -254,12 +282,34 @@ def run_fleet(
         raise
 
 
+def journal_row(directory: Path, row: dict) -> None:
+    """Keep one round's row in the fleet directory until the run records it in the catalog."""
+    table = validate_table("train_steps", pa.Table.from_pylist([row], schema=TABLES["train_steps"]))
+    shards.write_shard(Path(directory) / JOURNAL, row["step"], table)
+
+
+def journal_rows(directory: Path, rounds: int, log: Callable[[str], None] = print) -> list[dict]:
+    """Journaled rows of rounds the fleet kept (step < `rounds`), by step; rows of rounds a crash
+    lost (to be replayed) are left out, and an unreadable shard is reported and skipped."""
+    rows = []
+    for step, path in shards.done_shards(Path(directory) / JOURNAL).items():
+        if step >= rounds:
+            continue
+        try:
+            rows += shards.read_shard(path, TABLES["train_steps"]).to_pylist()
+        except StoreError as exc:
+            log(f"warning: train_steps row of round {step} lost: {exc}")
+    return rows
+
+
 def record_steps(store: Store, rows: list[dict], directory: Path, config: FleetConfig, run_id: str):
-    """This run's rounds as the `train_steps` table: one shard per round."""
+    """The journaled rounds (this run's, and those of crashed runs it continued) as the
+    `train_steps` table: one shard per round."""
     def work(ctx) -> None:
         for row in rows:
             table = pa.Table.from_pylist([row], schema=TABLES["train_steps"])
             ctx.write_shard(row["step"], validate_table("train_steps", table), table="train_steps")
+            fault_point("fleet.steps.shard")
 
     cfg = {"fleet": str(Path(directory).resolve()), "run_id": run_id, "config": config.to_dict()}
     return store.run(NAME, VERSION, cfg, [], work, run_id=run_id)

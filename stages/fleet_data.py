@@ -40,6 +40,7 @@ def _conversations(ctx: StageContext, lm: LoadedModel, rows: list[dict], synth: 
     convs = synthesize_group(lm, rows, contexts, synth) if rows else []
     table = pa.Table.from_pylist(convs, schema=TABLES["conversations"])
     ctx.write_shard(0, validate_table("conversations", table), table="conversations")
+    fault_point("fleet.data.conversations")  # conversations written, targets not yet
     good = [c for c in convs if usable(c, synth.filter)]
     targets = pa.Table.from_pylist(target_rows(lm, good, teacher), schema=TABLES["targets"])
     ctx.write_shard(0, validate_table("targets", targets), table="targets")

@@ -10,6 +10,7 @@ happen at every rotation and at the end of a run.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cartridges.fleet.budget import is_rotation_round, rotation
@@ -31,6 +32,8 @@ class FleetTrainer:
         self.trainable = sorted(trainable)
         self.residents = sorted(residents)
         self.memory: dict[int, Resident] = {}
+        # Called with each round's row before any checkpoint can count the round as done.
+        self.journal: Callable[[dict], None] | None = None
         for doc_id in self.residents:
             self.memory[doc_id] = load_resident(self.directory, lm, self.entries[doc_id], config.lr)
 
@@ -63,6 +66,8 @@ class FleetTrainer:
             "loss": loss, "lr": rates.get(plan.target, 0.0), "tokens": sum(ex.n for ex in examples),
             "seconds": time.perf_counter() - start, "heldout_loss": None,
         }
+        if self.journal is not None:
+            self.journal(row)
         self.manifest.rounds = plan.round + 1
         fault_point(f"fleet.round.{plan.round}")
         if is_rotation_round(plan.round, self.config.rotate_every):
@@ -87,8 +92,10 @@ class FleetTrainer:
             entry = entries[doc_id]
             if res.steps != entry.steps or not (self.directory / entry.cartridge).is_file():
                 save_resident(self.directory, self.lm, entry, res)
+                fault_point(f"fleet.checkpoint.resident.{doc_id}")
         self.manifest.residents = list(self.residents)
         write_manifest(self.directory, self.manifest)
+        fault_point("fleet.checkpoint.manifest")  # manifest written, superseded files not yet pruned
         prune(self.directory, self.manifest)
 
     def heldout_loss(self, doc_id: int, examples: list[Example], distractors: list[int] = (),

@@ -22,6 +22,7 @@ from cartridges.corpus import expand, read_text
 from cartridges.errors import CorpusError
 from schemas import DOCUMENTS, IngestConfig
 from storage import StageContext, StageResult, Store, StoreError, done_shards
+from storage.faults import fault_point
 
 NAME = "ingest"
 VERSION = 1
@@ -169,6 +170,7 @@ def run(store: Store, paths: list[str | Path], tokenizer,
                 for offset, row in enumerate(rows):
                     row["doc_id"] = start + offset
                 ctx.write_shard(index, pa.Table.from_pylist(rows, schema=DOCUMENTS))
+                fault_point(f"ingest.shard.{index}")
             start += len(batch)
 
     return store.run(NAME, VERSION, fp_config, [], work, force=force, run_id=run_id)

@@ -67,6 +67,7 @@ def synthesize_group(
             temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
         ))
     a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, progress=progress)
+    fault_point("synthesize.questions")  # questions generated, answers not yet
 
     rows, b_streams, b_index = [], [], []
     for i, (chunk, ctx, gen) in enumerate(zip(chunks, contexts, a_out, strict=True)):

@@ -44,6 +44,7 @@ def target_rows(lm: LoadedModel, convs: list[dict], config: TeacherConfig) -> li
                     "conv_id": conv["conv_id"], "position": conv["student_answer_start"] + j,
                     "topk_ids": ids, "topk_logprobs": logprobs,
                 })
+        fault_point("teacher.batch")
     return rows
 
 

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from storage.faults import fault_point
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -55,6 +57,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        fault_point(f"atomic.write.{target.name}")  # the temp file is whole, the target untouched
         _fsync_file(tmp)
         os.replace(tmp, target)
     except BaseException:

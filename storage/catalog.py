@@ -26,6 +26,8 @@ CATALOG_FILE = "catalog.duckdb"
 CATALOG_VERSION = 1
 STATUSES = ("running", "complete", "failed")
 LOCK_WAIT_S = 30.0
+DAMAGED = ("; if the file is damaged, move it aside and rerun: every stage runs again, "
+           "keeping the whole shards already in place")
 
 _DDL = [
     "CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR)",
@@ -122,10 +124,9 @@ def connect(path: Path, read_only: bool, wait_s: float = LOCK_WAIT_S) -> duckdb.
                 raise StoreError(f"{path}: catalog is busy (another process, or an open "
                                  f"connection in this one, holds it): {msg}",
                                  path) from e
-            raise StoreError(f"{path}: cannot open the catalog: {msg}",
-                             path) from e
+            raise StoreError(f"{path}: cannot open the catalog: {msg}{DAMAGED}", path) from e
         except duckdb.Error as e:
-            raise StoreError(f"{path}: cannot open the catalog: {e}", path) from e
+            raise StoreError(f"{path}: cannot open the catalog: {e}{DAMAGED}", path) from e
 
 
 def check_version(con: duckdb.DuckDBPyConnection, path: Path) -> int:
@@ -172,7 +173,7 @@ class Catalog:
                 if not read_only:
                     con.commit()
             except duckdb.Error as e:
-                raise StoreError(f"{self.path}: catalog query failed: {e}", self.path) from e
+                raise StoreError(f"{self.path}: catalog query failed: {e}{DAMAGED}", self.path) from e
             finally:
                 con.close()
 

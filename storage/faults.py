@@ -1,28 +1,64 @@
 """Named fault-injection points, so crash tests can stop a run at a reproducible place.
 
-`CARTRIDGES_FAULT=<point>` makes the process die at that point: with SIGKILL (as a
-real crash would) by default, or by raising `InjectedFault` with `<point>:raise`.
+`CARTRIDGES_FAULT=<point>[@<n>][:<mode>]` makes the process fail at that point:
+
+- `<point>` is a point name, or a shell-style pattern over names (`fleet.round.*`);
+- `@<n>` fires on the n-th time a matching point is reached in this process (default 1);
+- `<mode>` is `kill` (the default: SIGKILL, as a real crash would), `raise` (raise
+  `InjectedFault`), or `enospc` (raise `OSError(ENOSPC)`, a full disk).
+
+`fault_points()` lists the points a run passes (`CARTRIDGES_FAULT_TRACE=<file>` appends
+each name reached to that file), which is how crash tests enumerate where to kill.
 """
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import os
 import signal
 
 ENV = "CARTRIDGES_FAULT"
+TRACE_ENV = "CARTRIDGES_FAULT_TRACE"
+MODES = ("kill", "raise", "enospc")
+
+_hits: dict[str, int] = {}
 
 
 class InjectedFault(RuntimeError):
     """Raised at a fault point in `raise` mode."""
 
 
+def parse(spec: str) -> tuple[str, int, str]:
+    """(pattern, n, mode) of a `CARTRIDGES_FAULT` value."""
+    point, _, mode = spec.partition(":")
+    pattern, _, nth = point.partition("@")
+    mode = mode or "kill"
+    if mode not in MODES:
+        raise ValueError(f"{ENV}={spec!r}: unknown mode {mode!r} (one of {', '.join(MODES)})")
+    try:
+        n = int(nth) if nth else 1
+    except ValueError as exc:
+        raise ValueError(f"{ENV}={spec!r}: '@{nth}' is not a count") from exc
+    return pattern, n, mode
+
+
 def fault_point(name: str) -> None:
+    trace = os.environ.get(TRACE_ENV)
+    if trace:
+        with open(trace, "a", encoding="utf-8") as f:
+            f.write(name + "\n")
     spec = os.environ.get(ENV)
     if not spec:
         return
-    point, _, mode = spec.partition(":")
-    if point != name:
+    pattern, n, mode = parse(spec)
+    if name != pattern and not fnmatch.fnmatchcase(name, pattern):
+        return
+    _hits[spec] = _hits.get(spec, 0) + 1
+    if _hits[spec] != n:
         return
     if mode == "raise":
         raise InjectedFault(f"injected fault at {name}")
+    if mode == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
     os.kill(os.getpid(), signal.SIGKILL)

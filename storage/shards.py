@@ -1,7 +1,9 @@
 """Parquet shards: an artifact is a directory of ``part-NNNNN.parquet`` files.
 
 Each shard is written atomically, so after a crash every ``part-*`` file is
-whole and a rerun can skip exactly the shards that exist.
+whole and a rerun can skip exactly the shards that exist. Data pages carry CRC32
+checksums (Parquet's own), verified on read, so a flipped bit is an error naming
+the file rather than a silently wrong value.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def write_shard(directory: Path | str, index: int, table: pa.Table) -> Path:
     """Write shard ``index``; an existing shard with that index is replaced whole."""
     target = Path(directory) / shard_name(index)
     with atomic_path(target) as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(table, tmp, write_page_checksum=True)
     return target
 
 
@@ -46,18 +48,19 @@ def done_shards(directory: Path | str) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+REWRITE_HINT = "; delete it and rerun the stage to rewrite it"
+
+
 def _unreadable(path: Path, e: Exception) -> StoreError:
-    return StoreError(
-        f"{path}: cannot read Parquet shard ({e}); delete it and rerun the stage to rewrite it",
-        path,
-    )
+    reason = " ".join(str(e).split()) or type(e).__name__
+    return StoreError(f"{path}: cannot read Parquet shard ({reason}){REWRITE_HINT}", path)
 
 
 def read_shard(path: Path | str, schema: pa.Schema | None = None) -> pa.Table:
     path = Path(path)
     try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as e:
+        table = pq.read_table(path, page_checksum_verification=True)
+    except Exception as e:  # damaged files surface as many error types
         raise _unreadable(path, e) from e
     if schema is None:
         return table
@@ -88,7 +91,7 @@ def count_rows(directory: Path | str) -> int:
     for path in done_shards(directory).values():
         try:
             total += pq.ParquetFile(path).metadata.num_rows
-        except (pa.ArrowException, OSError) as e:
+        except Exception as e:
             raise _unreadable(path, e) from e
     return total
 

@@ -3,6 +3,11 @@
 Stages hand the store a function; the store decides whether it must run, gives
 it a directory, and records the outcome in the catalog. A failed run keeps its
 finished shards so the rerun only does the rest.
+
+A complete artifact is never trusted blindly: before it is reused its files must add
+up to the bytes and rows the catalog recorded (a truncated, missing or foreign shard
+means the stage runs again), and a shard that fails to read later (a page checksum)
+marks the artifact failed as corrupt, so the next run recomputes it from scratch.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -27,6 +33,7 @@ from storage.sql import STAGE_TABLES
 
 HOME_ENV = "CARTRIDGES_HOME"
 DEFAULT_ROOT = "artifacts"
+CORRUPT = "corrupt: "  # error prefix of artifacts failed because a file of theirs is damaged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +125,13 @@ class Store:
         if existing is not None and existing.status == "complete":
             directory = self.dir(existing)
             if directory.is_dir() and not force:
-                return StageResult(existing, skipped=True)
+                problem = self.verify(existing)
+                if problem is None:
+                    return StageResult(existing, skipped=True)
+                print(f"warning: {problem}; running stage {stage} again", file=sys.stderr, flush=True)
             shutil.rmtree(directory, ignore_errors=True)
+        elif existing is not None and (existing.error or "").startswith(CORRUPT):
+            shutil.rmtree(self.dir(existing), ignore_errors=True)  # its shards cannot be trusted
         art = self.catalog.begin(stage, fp, [a.id for a in arts], config, run_id)
         directory = self.dir(art)
         directory.mkdir(parents=True, exist_ok=True)
@@ -136,6 +148,25 @@ class Store:
                 e.add_note(f"(could not record the failure in the catalog: {record_error})")
             raise
         return StageResult(self.catalog.complete(art.id, rows, nbytes), skipped=False)
+
+    def verify(self, artifact: Artifact | StageResult) -> str | None:
+        """Why a complete artifact's files cannot be reused (None: they can).
+
+        Cheap: file sizes and Parquet footers only, against what the catalog recorded.
+        """
+        art = _artifact(artifact)
+        directory = self.dir(art)
+        if not directory.is_dir():
+            return f"{directory}: artifact {art.id} has no directory"
+        if art.bytes is not None and (found := shards.dir_bytes(directory)) != art.bytes:
+            return f"{directory}: artifact {art.id} holds {found} bytes, the catalog recorded {art.bytes}"
+        try:
+            rows = self._rows(directory)
+        except StoreError as e:
+            return str(e)
+        if art.rows is not None and rows != art.rows:
+            return f"{directory}: artifact {art.id} holds {rows} rows, the catalog recorded {art.rows}"
+        return None
 
     @staticmethod
     def _rows(directory: Path) -> int:
@@ -156,7 +187,14 @@ class Store:
         if not directory.is_dir():
             raise StoreError(f"{directory}: artifact {art.id} has no directory "
                              "(garbage-collected or deleted?)", directory)
-        return shards.read_table(directory / table if table else directory, schema)
+        try:
+            return shards.read_table(directory / table if table else directory, schema)
+        except StoreError as e:
+            if art.status != "complete" or self.catalog.read_only or e.path is None or not e.path.is_file():
+                raise
+            self.catalog.fail(art.id, f"{CORRUPT}{e}"[:4000])
+            raise StoreError(f"{str(e).removesuffix(shards.REWRITE_HINT)}; artifact {art.id} is now marked "
+                             f"failed, the next run of stage {art.stage} recomputes it", e.path) from e
 
     def gc(self, keep: int = 1, dry_run: bool = False) -> list[str]:
         """Delete superseded and failed versions; the newest ``keep`` per stage and

@@ -208,13 +208,14 @@ def test_truncated_shard_raises_store_error_naming_file(tmp_path: Path) -> None:
     art = store.run("eval", 1, {}, [], _writer(1.0))
     shard = store.dir(art) / "part-00000.parquet"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(StoreError, match="part-00000.parquet") as info:
-        store.table(art)
-    assert info.value.path == shard
     with pytest.raises(StoreError, match="part-00000.parquet"):
         count_rows(store.dir(art))
     with pytest.raises(StoreError, match="part-00000.parquet"):
         query(tmp_path, "SELECT * FROM evals")
+    with pytest.raises(StoreError, match="part-00000.parquet") as info:
+        store.table(art)
+    assert info.value.path == shard
+    assert store.catalog.get(art.id).status == "failed"  # the next run recomputes it
 
 
 # --- SQL views ---------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from cartridges.errors import FleetError
 from cartridges.models import backbone
 from schemas import TABLES, validate_table
 from storage.atomic import atomic_path
+from storage.faults import fault_point
 from storage.fingerprint import sha256_file
 
 SUFFIX = "\nIn one word, the main topic of the text above is:"
@@ -98,9 +99,11 @@ def build_index(model, tokenizer, documents: list[dict], embed_chunk: int, direc
     directory = Path(directory)
     with atomic_path(directory / FILES["faiss"]) as tmp:
         faiss.write_index(index, str(tmp))
+    fault_point("fleet.index.faiss")
     table = validate_table("index_chunks", pa.Table.from_pylist(rows, schema=TABLES["index_chunks"]))
     with atomic_path(directory / FILES["chunks"]) as tmp:
         pq.write_table(table, tmp)
+    fault_point("fleet.index.chunks")
     with atomic_path(directory / FILES["centroid"]) as tmp:
         with open(tmp, "wb") as f:
             np.save(f, centroid, allow_pickle=False)

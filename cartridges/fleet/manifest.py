@@ -4,11 +4,13 @@ The manifest names every file of the fleet; files are written first (atomically)
 the manifest last, so a crash leaves the previous consistent fleet. Cartridge and
 optimizer files carry their document hash and step counter in their own metadata,
 and the index files their sha256 here, so a swapped, stale or corrupted file is a
-clear error instead of a silent mix.
+clear error instead of a silent mix. The manifest carries a sha256 of its own content
+(`checksum`), so a flipped digit (a step counter, a round) is caught too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,8 +83,16 @@ def resolve(directory: Path | str) -> Path:
     return directory
 
 
+def _digest(data: dict) -> str:
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def write_manifest(directory: Path, manifest: Manifest) -> Path:
-    return write_json_atomic(Path(directory) / MANIFEST, manifest.to_dict())
+    data = manifest.to_dict()
+    data["checksum"] = _digest(data)
+    return write_json_atomic(Path(directory) / MANIFEST, data)
 
 
 def _need(data: dict, key: str, kind: type | tuple[type, ...], where: str):
@@ -149,6 +159,8 @@ def read_manifest(directory: Path | str) -> Manifest:
         for key in INDEX_FILES:
             _need(manifest.index, key, str, f"{where}: index")
             _need(manifest.index, f"{key}_sha256", str, f"{where}: index")
+    if "checksum" in data and data["checksum"] != _digest(data):  # manifests before checksums have none
+        raise FleetError(f"{path}: checksum mismatch, the manifest is corrupted (or was edited by hand)")
     return manifest
 
 

@@ -26,6 +26,7 @@ from cartridges.fleet.budget import warmup_lr
 from cartridges.fleet.manifest import DocEntry
 from cartridges.models import LoadedModel
 from cartridges.train import Example, group_backward, make_optimizer
+from storage.faults import fault_point
 
 
 @dataclass
@@ -58,6 +59,7 @@ def save_resident(directory: Path, lm: LoadedModel, entry: DocEntry, res: Reside
     cart_name, opt_name = f"{stem}.safetensors", f"{stem}.adam.safetensors"
     save_cartridge(directory / cart_name, res.cart, lm.fingerprint, steps=res.steps,
                    corpus_sha256=entry.sha256, document=entry.name)
+    fault_point("fleet.save.optimizer")  # rows written, moments not yet
     save_optimizer(directory / opt_name, res.opt, res.steps, corpus_sha256=entry.sha256, document=entry.name)
     entry.cartridge, entry.optimizer = cart_name, opt_name
     return entry

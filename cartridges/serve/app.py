@@ -15,9 +15,10 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cartridges.errors import CartridgeError
 from cartridges.models import LoadedModel
@@ -107,7 +108,11 @@ def create_app(lm: LoadedModel, selector: Selector, engine: Engine, config: Serv
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         authorize(request)
-        params = parse_chat(await request.body(), config)
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer
+            return Response(status_code=400)
+        params = parse_chat(raw, config)
         if params.model != selector.model_id:
             raise ApiError(404, f"model '{params.model}' is not served here; /v1/models lists '{selector.model_id}'",
                            "invalid_request_error", "model", "model_not_found")
