@@ -97,7 +97,8 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
     """Per-question scores and the median time to first token of this arm."""
     tok = lm.tokenizer
     eot = end_of_turn_ids(tok)
-    prompts = [student_prompt(tok, question_text(q)) for q in questions]
+    prompts = [student_prompt(tok, question_text(q)) for q in questions]  # generation: options listed
+    plain = [student_prompt(tok, q.question) for q in questions]  # likelihood: the question alone
     scored = [Scored(q) for q in questions]
     groups: dict[str, list[int]] = {}
     for i, q in enumerate(questions):
@@ -109,7 +110,7 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
         context_rows = native_context(lm, context) if context else None
         prefix = len(context) if context else (int(rows[0][0].shape[1]) if rows else 0)
         for i in idx:
-            q, prompt = questions[i], prompts[i]
+            q, prompt = questions[i], plain[i]
             conts = [reply_ids(tok, prompt, r) for r in replies(q)]
             if context_rows is not None:
                 sums = logprobs_in_context(lm, context_rows, prompt, conts)

@@ -33,7 +33,7 @@ from schemas import EVALS
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 2  # 2: per-question answers.jsonl beside the report
+VERSION = 3  # 2: per-question answers.jsonl; 3: likelihood of plain option text after the bare question
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "first")
 KVPRESS_NOTE = (

@@ -23,7 +23,6 @@ from cartridges.scoring import (
     logprobs_behind,
     logprobs_in_context,
     native_context,
-    question_text,
     reply_ids,
     student_prompt,
 )
@@ -125,8 +124,8 @@ def _planted(tiny_lm):
     """Two options of equal length; the planted rows make option 0 far likelier."""
     tok = tiny_lm.tokenizer
     question = Question(1, "Which?", 0, ("xq", "zv"), "doc.md")
-    prompt = student_prompt(tok, "Which?\nA. xq\nB. zv\nAnswer with the letter and text of the correct option.")
-    reply = reply_ids(tok, prompt, "A. xq")
+    prompt = student_prompt(tok, "Which?")
+    reply = reply_ids(tok, prompt, "xq")
     # A prefix that repeats the whole exchange many times: a copying model continues it.
     context = (prompt + reply) * 6
     return question, native_context(tiny_lm, context)
@@ -209,5 +208,5 @@ def test_fleet_eval_has_retrieval_and_oracle_arms(tiny_lm, tmp_path):
     assert result["arms"]["fleet_retrieval"]["retrieval_top1"] == pytest.approx(expected_top1)
     one = fleet.cartridge("d0.md").p
     assert result["arms"]["fleet_oracle"]["kv_rows"] == pytest.approx(
-        one + statistics.mean(len(student_prompt(tiny_lm.tokenizer, question_text(q))) for q in questions))
+        one + statistics.mean(len(student_prompt(tiny_lm.tokenizer, q.question)) for q in questions))
     assert "oracle_gap_closure" in result and result["icl_gap_closure"]["metric"] == "accuracy"
