@@ -213,7 +213,7 @@ def run_fleet(
     model_id = fingerprint_id(lm.fingerprint)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
-    try:
+    with store.catalog.failing_run(run_id):
         docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest, tokenizer_id=model_id, run_id=run_id)
         documents = store.table(docs_art).to_pylist()
         state = call(prepare, lm, documents, directory, config, resume, log, fanout)
@@ -277,9 +277,6 @@ def run_fleet(
         write_run_report(store, summary, markdown_summary, f"fleet run {run_id}")
         store.catalog.finish_run(run_id, "complete", {k: v for k, v in summary.items() if k != "steps_table"})
         return summary
-    except BaseException as exc:
-        store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
-        raise
 
 
 def journal_row(directory: Path, row: dict) -> None:

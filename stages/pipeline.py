@@ -77,7 +77,7 @@ def run_pipeline(
     model_id = fingerprint_id(lm.fingerprint)
     run_id = store.catalog.start_run("cartridge")
     started = time.perf_counter()
-    try:
+    with store.catalog.failing_run(run_id):
         docs = call(ingest.run, store, corpus, lm.tokenizer, config.ingest, tokenizer_id=model_id,
                     force="ingest" in force, run_id=run_id)
         plan = call(chunks.run, store, docs, lm.tokenizer, config.chunks, force="chunks" in force, run_id=run_id,
@@ -108,9 +108,6 @@ def run_pipeline(
         write_run_report(store, summary, markdown_summary, f"cartridge run {run_id}")
         store.catalog.finish_run(run_id, "complete", summary)
         return summary
-    except BaseException as exc:
-        store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
-        raise
 
 
 def export(source: Path, target: Path) -> Path:

@@ -140,7 +140,7 @@ def run_retrain(
     files = fleet_files(docs, config.ingest)
     with locked(root):  # one publisher per root at a time: a scheduled retrain waits for a fleet run
         run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
-        try:
+        with store.catalog.failing_run(run_id):
             docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
                             tokenizer_id=fingerprint_id(lm.fingerprint), run_id=run_id)
             documents = store.table(docs_art).to_pylist()
@@ -180,9 +180,6 @@ def run_retrain(
             write_run_report(store, summary, markdown_summary, f"retrain run {run_id}")
             store.catalog.finish_run(run_id, "complete", summary)
             return summary
-        except BaseException as exc:
-            store.catalog.finish_run(run_id, "failed", {"error": str(exc)})
-            raise
 
 
 def markdown_summary(s: dict) -> str:

@@ -288,6 +288,15 @@ class Catalog:
                 [status, _now(), json.dumps(summary or {}, sort_keys=True, default=str), run_id],
             )
 
+    @contextmanager
+    def failing_run(self, run_id: str) -> Iterator[None]:
+        """Record the run as failed (with the error) if the block raises; the block finishes it on success."""
+        try:
+            yield
+        except BaseException as exc:
+            self.finish_run(run_id, "failed", {"error": str(exc)})
+            raise
+
     def runs(self) -> list[dict[str, Any]]:
         if self.read_only and not self.path.exists():
             return []
