@@ -83,13 +83,10 @@ def _generate_in_context(lm: LoadedModel, context_rows: Rows, context: list[int]
     return tokens, not stopped and len(tokens) >= max_new
 
 
-def _ttft(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _seconds(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new: int = 48,
@@ -122,9 +119,9 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
                 s.correct = length_normalized_choice(sums, [len(c) for c in conts]) == q.answer
             else:
                 s.nll = -sums[0] / len(conts[0])
-        if not any(questions[i].multiple_choice for i in idx):
-            continue
         mc = [i for i in idx if questions[i].multiple_choice]
+        if not mc:
+            continue
         if context_rows is not None:
             outs = [_generate_in_context(lm, context_rows, context, prompts[i], max_new, eot) for i in mc]
         else:
@@ -157,7 +154,7 @@ def _arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts:
 
             def run(i=i, rows=rows):
                 generate(lm.model, [Stream(prompts[i], 1, stop_ids=tuple(eot))], batch_size=1, prefix_rows=rows)
-        times.append(_ttft(run, 1))
+        times.append(_seconds(run))
     return statistics.median(times) if times else float("nan")
 
 
