@@ -88,6 +88,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--epochs", "train", "epochs", int),
     ("--init", "train", "init", str),
     ("--save-every", "train", "save_every", int),
+    ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
 STAGES = ("ingest", "chunks", "synthesize", "teacher", "train")
 
@@ -174,7 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     for line in summary_lines(summary):
         print(line)
     emit_json(args, summary)
-    return 0
+    return 0 if summary.get("health", "ok") == "ok" else 3
 
 
 @command("stage")

@@ -22,7 +22,9 @@ def render() -> str:
     lines = ["# Command reference", "",
              "Generated from the parser by `python -m cartridges.cli_docs`; every command takes",
              "`--debug` (tracebacks), and those that report figures take `--json` (one JSON object",
-             "as the last line). User errors print one line `error: ...` and exit 2.", ""]
+             "as the last line). User errors print one line `error: ...` and exit 2. A training run",
+             "that fails the health check (held-out loss not clearly lower, or a diverging loss",
+             "curve; see docs/PIPELINE.md) keeps its cartridge, is recorded failed and exits 3.", ""]
     for name, sub in subs.choices.items():
         sub.prog = f"cartridges {name}"
         lines += [f"## `cartridges {name}`", "", helps.get(name) or "", "", "```", sub.format_help().rstrip(), "```", ""]

@@ -229,12 +229,27 @@ class TrainConfig(_Config):
 
 
 @dataclasses.dataclass(frozen=True)
+class HealthConfig(_Config):
+    """The training health check's bars (not part of any stage's fingerprint)."""
+
+    min_heldout_drop: float = 0.01  # relative; a run whose held-out loss falls less has failed
+    diverge_ratio: float = 1.25  # last tenth of the loss curve over its first tenth
+
+    def validate(self) -> None:
+        if not -1 <= self.min_heldout_drop < 1:
+            raise _bad(self, "min_heldout_drop", "must be in [-1, 1)")
+        if self.diverge_ratio <= 1:
+            raise _bad(self, "diverge_ratio", "must be > 1")
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig(_Config):
     ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig)
     chunks: ChunkConfig = dataclasses.field(default_factory=ChunkConfig)
     synth: SynthConfig = dataclasses.field(default_factory=SynthConfig)
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
 
 
 DISTRACTOR_MODES: tuple[str, ...] = ("train", "frozen")

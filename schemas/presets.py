@@ -18,6 +18,8 @@ PRESETS: dict[str, dict] = {
         "synth": {"max_q": 12, "max_a": 16, "gen_batch": 4},
         "teacher": {"batch": 4},
         "train": {"p": 16, "accum": 2},
+        # four steps on a random tiny model move the held-out loss by hundredths of a percent
+        "health": {"min_heldout_drop": 0.0},
     },
 }
 

@@ -17,8 +17,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from cartridges.health import health_fields
 from cartridges.models import LoadedModel, fingerprint_id
-from schemas import PipelineConfig
+from schemas import HealthConfig, PipelineConfig
 from stages import chunks, ingest, synthesize, teacher, train
 from stages.fanout import Fanout
 from stages.report import markdown_summary
@@ -95,7 +96,7 @@ def run_pipeline(
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
             trained = call(train.run, store, lm, docs, convs, targets, config.train, model_id=model_id,
                            force="train" in force, run_id=run_id, progress=on_step)
-        summary = summarize(store, docs, plan, convs, trained, planned)
+        summary = summarize(store, docs, plan, convs, trained, planned, config.health)
         summary.update(run_id=run_id, seconds=time.perf_counter() - started,
                        skipped=[a.stage for a in (docs, plan, convs, targets, trained) if a.skipped])
         cartridge = store.dir(trained) / train.CARTRIDGE_FILE
@@ -106,7 +107,7 @@ def run_pipeline(
                               "seconds": None if a.skipped else a.seconds}
                              for a in (docs, plan, convs, targets, trained)]
         write_run_report(store, summary, markdown_summary, f"cartridge run {run_id}")
-        store.catalog.finish_run(run_id, "complete", summary)
+        store.catalog.finish_run(run_id, "complete" if summary["health"] == "ok" else "failed", summary)
         return summary
 
 
@@ -118,7 +119,7 @@ def export(source: Path, target: Path) -> Path:
     return target
 
 
-def summarize(store: Store, docs, plan, convs, trained, planned: int) -> dict:
+def summarize(store: Store, docs, plan, convs, trained, planned: int, health: HealthConfig) -> dict:
     """Losses, data quality, coverage and timings of one run."""
     result = train.summary_of(store, trained)
     documents = store.table(docs).to_pylist()
@@ -134,6 +135,7 @@ def summarize(store: Store, docs, plan, convs, trained, planned: int) -> dict:
     synth_seconds = convs.artifact.seconds or 0.0
     return {
         **result,
+        **health_fields(result["losses"], result["heldout_loss_before"], result["heldout_loss_after"], health),
         "conversations": used,
         "planned_conversations": planned,
         "a_ok_rate": sum(c["a_ok"] for c in conv_rows) / max(1, len(conv_rows)),

@@ -26,6 +26,8 @@ def summary_lines(s: dict) -> list[str]:
         f"{s['supervised_tokens']} supervised tokens in {s['train_seconds']:.1f}s",
         f"skipped unchanged stages: {', '.join(s.get('skipped') or []) or 'none'}",
         f"cartridge: {s.get('cartridge')}",
+        *([f"HEALTH CHECK FAILED: {s['health_reason']} (run recorded as failed; try another seed)"]
+          if s.get("health") == "failed" else []),
     ]
 
 
