@@ -5,8 +5,8 @@ cut to the window), ``full_kv`` (that document's exact prefill KV written as a
 cartridge file and served on the cartridge path: the control that must score
 like ``icl``), ``cartridge`` (the files given, composed in order), and
 compression peers at the cartridge's KV budget (``knorm``: per layer and head,
-the lowest-norm keys of the full KV; ``first``: its first rows, i.e. the
-untrained corpus-init cartridge). An unchanged eval (same question file,
+the lowest-norm keys of the full KV, re-rotated to contiguous positions; ``first``:
+its first rows, i.e. the untrained corpus-init cartridge). An unchanged eval (same question file,
 cartridges, corpus, model and settings) is a fingerprint hit and is not rerun.
 """
 
@@ -22,6 +22,7 @@ import pyarrow as pa
 import torch
 
 from cartridges.cartridge import Cartridge, compose_rows
+from cartridges.compress import first_rows, knorm_rows, rotary_of
 from cartridges.corpus import expand, read_text
 from cartridges.errors import CorpusError
 from cartridges.evaluate import Arm, cached, closure, document_context, score_arm, summarize_arm
@@ -33,7 +34,7 @@ from schemas import EVALS
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 3  # 2: per-question answers.jsonl; 3: likelihood of plain option text after the bare question
+VERSION = 4  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "first")
 KVPRESS_NOTE = (
@@ -46,16 +47,6 @@ KVPRESS_NOTE = (
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def knorm_rows(rows, budget: int):
-    """Per layer and KV head, the `budget` rows whose keys have the smallest norm, in order."""
-    out = []
-    for k, v in rows:
-        keep = k.float().norm(dim=-1).topk(budget, dim=-1, largest=False).indices.sort(dim=-1).values
-        index = keep[..., None]
-        out.append((k.gather(1, index.expand(-1, -1, k.shape[-1])), v.gather(1, index.expand(-1, -1, v.shape[-1]))))
-    return out
 
 
 class Inputs:
@@ -120,10 +111,10 @@ class Inputs:
             arms.append(Arm("cartridge", key=lambda q: "", rows=lambda q: rows))
         if self.parts and self.docs and peers:
             budget = self.budget
-            arms.append(Arm("knorm", key=key, rows=lambda q: knorm_rows(self.full_kv(key(q)), budget),
+            rotary = rotary_of(self.lm.model)
+            arms.append(Arm("knorm", key=key, rows=lambda q: knorm_rows(self.full_kv(key(q)), budget, rotary),
                             notes=[KVPRESS_NOTE]))
-            arms.append(Arm("first", key=key, rows=lambda q: [(k[:, :budget], v[:, :budget])
-                                                              for k, v in self.full_kv(key(q))]))
+            arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), budget)))
         return arms
 
 

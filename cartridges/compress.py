@@ -1,0 +1,67 @@
+"""KV-cache compression peers: a document's full KV cut to a cartridge's row budget.
+
+A cartridge's question tokens run at positions p, p+1, ... behind its p rows. Kept
+rows of a compressed cache carry keys rotated for their original positions (up to
+the document's length), so served as-is the question would sit *before* most of
+them. `reposition` re-rotates each kept key to its rank among the kept rows, so the
+compressed cache is contiguous at 0..budget-1 like any cartridge (rotations compose:
+R(new) = R(new - old) R(old)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Rows = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_of(model: torch.nn.Module):
+    """The model's rotary embedding module, when it has a plain one (None otherwise)."""
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    if rotary is None or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        return None
+    return rotary
+
+
+def reposition(rotary, keys: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Keys [heads, n, d] rotated for positions `old` [heads, n], re-rotated to 0..n-1."""
+    heads, n, dim = keys.shape
+    delta = torch.arange(n, device=keys.device)[None, :] - old
+    cos, sin = rotary(keys, delta.reshape(1, -1))
+    cos, sin = cos.reshape(heads, n, -1), sin.reshape(heads, n, -1)
+    if cos.shape[-1] != dim:
+        raise ValueError(f"rotary dim {cos.shape[-1]} != head dim {dim}: partial rotary is not supported")
+    k = keys.float()
+    return (k * cos.float() + _rotate_half(k) * sin.float()).to(keys.dtype)
+
+
+def keep_rows(rows: Rows, keep: list[torch.Tensor], rotary) -> Rows:
+    """Per layer, the rows at `keep` [heads, budget] (ascending), keys re-rotated when `rotary` is given."""
+    out = []
+    for (k, v), idx in zip(rows, keep, strict=True):
+        index = idx[..., None]
+        kk = k.gather(1, index.expand(-1, -1, k.shape[-1]))
+        vv = v.gather(1, index.expand(-1, -1, v.shape[-1]))
+        out.append((reposition(rotary, kk, idx) if rotary is not None else kk, vv))
+    return out
+
+
+def knorm_keep(rows: Rows, budget: int) -> list[torch.Tensor]:
+    """Per layer and KV head, the positions of the `budget` lowest-norm keys, ascending."""
+    return [k.float().norm(dim=-1).topk(budget, dim=-1, largest=False).indices.sort(dim=-1).values
+            for k, _ in rows]
+
+
+def knorm_rows(rows: Rows, budget: int, rotary=None) -> Rows:
+    """The knorm press: keep each head's lowest-norm keys (low key norm predicts high attention)."""
+    return keep_rows(rows, knorm_keep(rows, budget), rotary)
+
+
+def first_rows(rows: Rows, budget: int) -> Rows:
+    """The first `budget` rows: the untrained corpus-init cartridge (already at 0..budget-1)."""
+    return [(k[:, :budget], v[:, :budget]) for k, v in rows]
