@@ -37,6 +37,7 @@ from cartridges.fleet.manifest import (
     write_manifest,
 )
 from cartridges.fleet.residents import new_resident, save_resident
+from cartridges.health import training_health
 from cartridges.models import LoadedModel, fingerprint_id
 from cartridges.spans import keyed_seed
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
@@ -258,6 +259,8 @@ def run_fleet(
                     chosen, pos = eval_parts(entry.doc_id, others, eval_distractors, config.seed)
                     item["heldout_coloaded"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []),
                                                                     chosen, pos)
+                if item["trained"]:
+                    item["health_reason"] = training_health([], item["heldout_before"], item["heldout_after"])
             per_doc.append(item)
         recorded = journal_rows(directory, manifest.rounds, log)
         if recorded:

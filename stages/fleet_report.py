@@ -17,6 +17,8 @@ def summary_lines(s: dict) -> list[str]:
             line += f" (co-loaded {_f(d['heldout_coloaded'])})"
         if d.get("changed"):
             line += " [initialized this run]"
+        if d.get("health_reason"):
+            line += f" [check: {d['health_reason']}]"
         lines.append(line)
     if s.get("removed"):
         lines.append(f"  removed: {', '.join(s['removed'])}")

@@ -10,6 +10,7 @@ import torch
 from cartridges.errors import FleetError
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
+from cartridges.health import training_health
 from schemas.presets import fleet_preset
 from stages.fleet import run_fleet
 from storage import Store, query
@@ -109,6 +110,9 @@ def test_changing_one_of_three_documents_retrains_only_its_cartridge(tmp_path, l
         assert after[e.cartridge] == before[e.cartridge] and after[e.optimizer] == before[e.optimizer]
     assert changed.cartridge not in before and changed.steps == 4 and changed.doc_id == 1
     assert [d["name"] for d in s["documents"] if d["changed"]] == ["d1.md"]
+    d1 = next(d for d in s["documents"] if d["name"] == "d1.md")  # trained this run: checked
+    assert d1["health_reason"] == training_health([], d1["heldout_before"], d1["heldout_after"])
+    assert all("health_reason" not in d for d in s["documents"] if not d["trained"])
     assert {d for r in s["steps_table"] for d in r["docs"]} == {"d1.md"}
     # a removed document leaves the fleet and its files go
     (docs / "d2.md").unlink()
