@@ -11,6 +11,9 @@ R(new) = R(new - old) R(old)).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from cartridges.models import backbone
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -55,6 +58,42 @@ def knorm_keep(rows: Rows, budget: int) -> list[torch.Tensor]:
     """Per layer and KV head, the positions of the `budget` lowest-norm keys, ascending."""
     return [k.float().norm(dim=-1).topk(budget, dim=-1, largest=False).indices.sort(dim=-1).values
             for k, _ in rows]
+
+
+def snapkv_keep(model: torch.nn.Module, input_ids: torch.Tensor, kv_heads: int, budget: int,
+                window: int = 32, kernel: int = 5) -> list[torch.Tensor]:
+    """SnapKV's choice, question-agnostic: per layer and KV head, the last `window` positions
+    plus the `budget - window` earlier ones that those positions attend to most (attention
+    averaged over the window and the head's query group, then pooled over neighbours)."""
+    n = input_ids.numel()
+    if n <= budget:
+        return [torch.arange(n, device=input_ids.device).expand(kv_heads, -1)] * len(backbone(model).layers)
+    window = min(window, budget)
+    scores: list[torch.Tensor] = []
+
+    def hook(_module, _args, out) -> None:
+        weights = out[1][0, :, n - window:, : n - window].float()  # [heads, window, earlier]
+        scores.append(weights.mean(dim=1))
+
+    layers = backbone(model).layers
+    previous = model.config._attn_implementation
+    handles = [layer.self_attn.register_forward_hook(hook) for layer in layers]
+    try:
+        model.set_attn_implementation("eager")  # the only implementation that returns the weights
+        with torch.no_grad():
+            model(input_ids=input_ids.view(1, -1), use_cache=False, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation(previous)
+    keep = []
+    tail = torch.arange(n - window, n, device=input_ids.device).expand(kv_heads, -1)
+    for s in scores:
+        s = s.view(kv_heads, -1, s.shape[-1]).mean(dim=1)
+        s = F.avg_pool1d(s[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=False)[:, 0]
+        top = s.topk(budget - window, dim=-1).indices
+        keep.append(torch.cat([top, tail], dim=-1).sort(dim=-1).values)
+    return keep
 
 
 def knorm_rows(rows: Rows, budget: int, rotary=None) -> Rows:

@@ -5,7 +5,8 @@ cut to the window), ``full_kv`` (that document's exact prefill KV written as a
 cartridge file and served on the cartridge path: the control that must score
 like ``icl``), ``cartridge`` (the files given, composed in order), and
 compression peers at the cartridge's KV budget (``knorm``: per layer and head,
-the lowest-norm keys of the full KV, re-rotated to contiguous positions; ``first``:
+the lowest-norm keys of the full KV, re-rotated to contiguous positions; ``snapkv``:
+the rows the document's last tokens attend to most, re-rotated likewise; ``first``:
 its first rows, i.e. the untrained corpus-init cartridge). An unchanged eval (same question file,
 cartridges, corpus, model and settings) is a fingerprint hit and is not rerun.
 """
@@ -22,7 +23,7 @@ import pyarrow as pa
 import torch
 
 from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.compress import first_rows, knorm_rows, rotary_of
+from cartridges.compress import first_rows, keep_rows, knorm_rows, rotary_of, snapkv_keep
 from cartridges.corpus import expand, read_text
 from cartridges.errors import CorpusError
 from cartridges.evaluate import Arm, cached, closure, document_context, score_arm, summarize_arm
@@ -34,14 +35,15 @@ from schemas import EVALS
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 4  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated
+VERSION = 4  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated, snapkv
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
-PEERS = ("knorm", "first")
+PEERS = ("knorm", "snapkv", "first")
 KVPRESS_NOTE = (
     "kvpress presses (SnapKV, expected attention, knorm) not run: kvpress 0.5.5 requires "
     "transformers<5.3, and with the installed transformers its forward hook fails with "
     "KeyError 'past_key_values' (attention layers now receive the cache as `cache` and no "
-    "`cache_position`); knorm and first-rows are reimplemented on the cartridge path instead"
+    "`cache_position`); knorm, SnapKV (question-agnostic) and first-rows are reimplemented "
+    "on the cartridge path instead"
 )
 
 
@@ -84,6 +86,11 @@ class Inputs:
                                   lm.fingerprint, init="full_kv")
             return load_cartridge(path, device=lm.device, dtype=lm.dtype).rows()
 
+    def snapkv(self, key: str, budget: int, rotary):
+        rows = self.full_kv(key)
+        ids = torch.tensor(self.context(key), device=self.lm.device)
+        return keep_rows(rows, snapkv_keep(self.lm.model, ids, rows[0][0].shape[0], budget), rotary)
+
     def retrieve(self, q: Question) -> list[str]:
         if q.question not in self.selected:
             self.selected[q.question] = self.fleet.select(q.question)
@@ -114,6 +121,7 @@ class Inputs:
             rotary = rotary_of(self.lm.model)
             arms.append(Arm("knorm", key=key, rows=lambda q: knorm_rows(self.full_kv(key(q)), budget, rotary),
                             notes=[KVPRESS_NOTE]))
+            arms.append(Arm("snapkv", key=key, rows=lambda q: self.snapkv(key(q), budget, rotary)))
             arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), budget)))
         return arms
 

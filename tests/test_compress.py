@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from cartridges.compress import first_rows, knorm_keep, knorm_rows, reposition, rotary_of
+from cartridges.compress import (
+    first_rows,
+    knorm_keep,
+    knorm_rows,
+    reposition,
+    rotary_of,
+    snapkv_keep,
+)
 from cartridges.prefix import capture_rows
 from tests.tiny import tiny_llama
 
@@ -39,3 +46,21 @@ def test_knorm_keeps_each_heads_lowest_norm_keys_in_order():
     k, v = rows[1]
     torch.testing.assert_close(kept[1][1], v.gather(1, keep[1][..., None].expand(-1, -1, v.shape[-1])))
     assert [r[0].shape[1] for r in first_rows(rows, 5)] == [5] * len(rows)
+
+
+def test_snapkv_keeps_the_window_and_the_positions_it_attends_to_most():
+    # Reference: the library's own attention weights (output_attentions), pooled by hand.
+    lm = tiny_llama(dtype=torch.float64)
+    ids = torch.randint(0, 250, (50,))
+    kv_heads, budget, window = 2, 12, 4
+    keep = snapkv_keep(lm.model, ids, kv_heads, budget, window=window, kernel=1)
+    assert lm.model.config._attn_implementation != "eager"  # restored
+    lm.model.set_attn_implementation("eager")
+    attentions = lm.model(ids.view(1, -1), output_attentions=True).attentions
+    lm.model.set_attn_implementation("sdpa")
+    for layer, att in enumerate(attentions):
+        score = att[0, :, -window:, :-window].mean(dim=1).view(kv_heads, 2, -1).mean(dim=1)
+        for h in range(kv_heads):
+            want = set(score[h].topk(budget - window).indices.tolist()) | set(range(50 - window, 50))
+            assert keep[layer][h].tolist() == sorted(want)
+    assert [k.shape for k in snapkv_keep(lm.model, ids[:10], kv_heads, budget)] == [(2, 10)] * 2

@@ -156,21 +156,21 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     store = Store(tmp_path / "store")
     result = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
                           max_new=4, log=lambda _: None)
-    assert set(result["arms"]) == {"bare", "icl", "full_kv", "cartridge", "knorm", "first"}
+    assert set(result["arms"]) == {"bare", "icl", "full_kv", "cartridge", "knorm", "snapkv", "first"}
     assert result["questions"] == 3
     assert any("other.md" in n for n in result["notes"]) and any(":5: not JSON" in n for n in result["notes"])
     icl, full = result["arms"]["icl"], result["arms"]["full_kv"]
     assert icl["accuracy"] == full["accuracy"]
     assert icl["answer_nll"] == pytest.approx(full["answer_nll"], abs=1e-4)
     assert result["arms"]["cartridge"]["kv_rows"] < icl["kv_rows"]
-    for arm in ("knorm", "first"):
+    for arm in ("knorm", "snapkv", "first"):
         assert result["arms"][arm]["kv_rows"] == result["arms"]["cartridge"]["kv_rows"]
     assert "metric" in result["icl_gap_closure"]
     report = (tmp_path / "store").rglob("report.md")
     assert "| icl |" in next(report).read_text()
     assert next((tmp_path / "store").rglob("chart.png")).read_bytes()[:4] == b"\x89PNG"
     answers = [json.loads(x) for x in next((tmp_path / "store").rglob("answers.jsonl")).read_text().splitlines()]
-    assert len(answers) == 6 * 3 and {a["arm"] for a in answers} == set(result["arms"])
+    assert len(answers) == 7 * 3 and {a["arm"] for a in answers} == set(result["arms"])
     icl_correct = [a["correct"] for a in answers if a["arm"] == "icl" and a["correct"] is not None]
     assert sum(icl_correct) / len(icl_correct) == icl["accuracy"]
     from storage.sql import query
