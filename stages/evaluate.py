@@ -26,7 +26,15 @@ from cartridges.cartridge import Cartridge, compose_rows
 from cartridges.compress import first_rows, keep_rows, knorm_rows, rotary_of, snapkv_keep
 from cartridges.corpus import expand, read_text
 from cartridges.errors import CorpusError
-from cartridges.evaluate import Arm, cached, closure, document_context, score_arm, summarize_arm
+from cartridges.evaluate import (
+    Arm,
+    Scored,
+    cached,
+    closure,
+    document_context,
+    score_arm,
+    summarize_arm,
+)
 from cartridges.files import check_fits, load_cartridge, save_cartridge
 from cartridges.models import LoadedModel, fingerprint_id
 from cartridges.prefix import capture_rows
@@ -38,6 +46,9 @@ NAME = "eval"
 VERSION = 4  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated, snapkv
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "snapkv", "first")
+REUSABLE = ("bare", "icl", "full_kv", *PEERS)
+ARM_STAGE, ARM_FILE = "eval_arm", "scored.json"
+SCORED_FIELDS = ("correct", "correct_gen", "hit_limit", "nll", "kv_rows", "reply")
 KVPRESS_NOTE = (
     "kvpress presses (SnapKV, expected attention, knorm) not run: kvpress 0.5.5 requires "
     "transformers<5.3, and with the installed transformers its forward hook fails with "
@@ -220,6 +231,30 @@ def chart_png(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def scored_arm(store: Store, lm: LoadedModel, arm: Arm, used: list[Question], max_new: int, config: dict,
+               budget: int | None, force: bool, run_id: str | None) -> tuple[list[Scored], float, bool]:
+    """Score one arm; an arm that does not depend on the cartridges (bare, in-context, full KV,
+    peers at the same budget) is an artifact of its own, reused by later evals of other cartridges."""
+    if arm.name not in REUSABLE:
+        return (*score_arm(lm, arm, used, max_new=max_new), False)
+    key = {k: config[k] for k in ("qa", "docs", "model", "max_new")}
+    key.update(arm=arm.name, budget=budget if arm.name in PEERS else None,
+               questions=[q.line for q in used])
+    out: dict = {}
+
+    def work(ctx: StageContext) -> None:
+        scored, ttft = score_arm(lm, arm, used, max_new=max_new)
+        out.update(scored=scored, ttft=ttft)
+        rows = [{f: getattr(s, f) for f in SCORED_FIELDS} for s in scored]
+        ctx.write_file(ARM_FILE, json.dumps({"ttft": ttft, "rows": rows}).encode())
+
+    res = store.run(ARM_STAGE, VERSION, key, [], work, force=force, run_id=run_id)
+    if out:
+        return out["scored"], out["ttft"], False
+    data = json.loads((store.dir(res) / ARM_FILE).read_text())
+    return [Scored(q, **row) for q, row in zip(used, data["rows"], strict=True)], data["ttft"], True
+
+
 def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], problems: list[str],
         cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True,
         force: bool = False, run_id: str | None = None, log=print, fleet_dir: str | None = None) -> dict:
@@ -251,14 +286,19 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             extra, why = inputs.fleet_arms(used)
             plan += extra
             notes += why
+        reused = []
         for arm in plan:
             log(f"eval: arm {arm.name} ({len(used)} questions)")
-            scored, ttft = score_arm(lm, arm, used, max_new=max_new)
+            scored, ttft, skipped = scored_arm(store, lm, arm, used, max_new, config, inputs.budget, force, run_id)
+            if skipped:
+                reused.append(arm.name)
             arms[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes)
             answers += [{"arm": arm.name, "line": s.question.line, "question": s.question.question,
                          "correct": s.correct, "correct_gen": s.correct_gen, "reply": s.reply,
                          "nll": s.nll} for s in scored]
         notes += [f"{problem} (skipped)" for problem in problems]
+        if reused:
+            notes.append(f"arms reused from an identical earlier scoring (TTFT as measured then): {', '.join(reused)}")
         notes += [f"ICL context of {d} cut by {n} tokens to fit the {lm.context_length}-token window"
                   for d, n in inputs.truncated.items() if n]
         if "knorm" in arms:

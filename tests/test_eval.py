@@ -180,6 +180,19 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
                          max_new=4, log=lambda _: None)
     assert again["skipped"] and again["arms"]["icl"]["accuracy"] == icl["accuracy"]
     assert not math.isnan(again["arms"]["bare"]["ttft_s"])
+    # Another cartridge of the same size: only its own arm is scored again, the rest are reused
+    # (equal to scoring them afresh in a new store).
+    other = save_cartridge(tmp_path / "d.safetensors", init_from_corpus(tiny_lm, "other text " * 20, p=16),
+                           tiny_lm.fingerprint)
+    third = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(other)], [str(doc)],
+                         max_new=4, log=lambda _: None)
+    fresh = evaluate.run(Store(tmp_path / "fresh"), tiny_lm, str(qa), questions, problems, [str(other)],
+                         [str(doc)], max_new=4, log=lambda _: None)
+    assert not third["skipped"]
+    assert any(n.startswith("arms reused") and "cartridge" not in n and "icl" in n for n in third["notes"])
+    for arm in result["arms"]:
+        for metric in ("accuracy", "accuracy_gen", "answer_nll", "kv_rows"):
+            assert third["arms"][arm].get(metric) == fresh["arms"][arm].get(metric), (arm, metric)
 
 
 def test_fleet_eval_has_retrieval_and_oracle_arms(tiny_lm, tmp_path):
