@@ -282,3 +282,38 @@ def test_default_model_retrieves_each_questions_own_document(default_lm, tmp_pat
     for name, question in questions.items():
         found = index.search(embed_text(default_lm.model, default_lm.tokenizer, question), 3, 8)
         assert found[0][0] == name, (question, found)
+
+
+def test_bm25_scores_equal_the_okapi_formula_by_hand():
+    import math
+
+    from cartridges.fleet.index import BM25
+
+    bm = BM25.build(["raft leader election leader", "deflate huffman blocks", "the leader of the band"])
+    # lengths after stopwords: 4, 3, 2 (avg 3); "leader" in chunks 0 (tf 2) and 2 (tf 1): df 2 of 3
+    idf = math.log(1 + (3 - 2 + 0.5) / (2 + 0.5))
+    avg = 3
+
+    def term(tf, length):
+        return idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * length / avg))
+
+    np.testing.assert_allclose(bm.scores("Who is the leader?"), [term(2, 4), 0.0, term(1, 2)])
+    assert not bm.scores("zebra").any()
+
+
+def test_lexical_score_lifts_the_document_that_shares_the_querys_words(tmp_path):
+    from cartridges.fleet.index import LEXICAL_WEIGHT, Index
+
+    lm = tiny_llama()
+    docs = [{"doc_id": i, "name": f"d{i}.md", "text": t} for i, t in enumerate(TEXTS)]
+    entry = build_index(lm.model, lm.tokenizer, docs, 64, tmp_path)
+    index = Index.open(tmp_path, entry)
+    query = "orchards"  # a word of d0's text only
+    vector = embed_text(lm.model, lm.tokenizer, query)
+    dense = dict(index.search(vector, k_docs=3, k_chunks=100))
+    hybrid = dict(index.search(vector, k_docs=3, k_chunks=100, query=query))
+    assert next(iter(hybrid)) == "d0.md"
+    # its best chunk holds the word, so it gains at most the full weight and more than nothing
+    assert dense["d0.md"] < hybrid["d0.md"] <= dense["d0.md"] + LEXICAL_WEIGHT + 1e-6
+    for name in ("d1.md", "d2.md"):
+        assert hybrid[name] == pytest.approx(dense[name], abs=1e-6)

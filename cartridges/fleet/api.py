@@ -63,7 +63,7 @@ class Fleet:
         k = self.rag_docs if k is None else k
         chunks = max(self.rag_chunks if chunks is None else chunks, k)
         vector = embed_text(self.lm.model, self.lm.tokenizer, query)
-        return self.index().search(vector, k, chunks)
+        return self.index().search(vector, k, chunks, query)
 
     def select(self, query: str, k: int | None = None) -> list[str]:
         """Names of the documents whose chunks best match `query`, best first."""

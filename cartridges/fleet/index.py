@@ -4,7 +4,10 @@ Contract (index chunks and queries embed identically): the text's tokens, then a
 one-line topic instruction; the embedding is the final-norm hidden state of the last
 token, L2-normalized, centered by the centroid of the index's chunk embeddings (stored
 and applied to queries too), and renormalized. A faiss inner-product index over the
-chunks; the top chunks of a query dedupe to documents in best-chunk order.
+chunks. A small model's hidden states tell documents on one subject apart poorly, so
+a chunk's score adds its BM25 score over the chunk's words, scaled so the query's
+best chunk gets `LEXICAL_WEIGHT`; the top chunks dedupe to documents in best-chunk
+order.
 
 A corrupted faiss file can crash the reader instead of raising, so every index file's
 sha256 is kept in the manifest and checked before faiss reads it.
@@ -12,7 +15,10 @@ sha256 is kept in the manifest and checked before faiss reads it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import faiss
@@ -28,6 +34,10 @@ from storage.atomic import atomic_path
 from storage.faults import fault_point
 from storage.fingerprint import sha256_file
 
+LEXICAL_WEIGHT = 1.0
+WORD = re.compile(r"[a-z0-9]+")
+STOPWORDS = frozenset(
+    "a an and are as at be by do does for from how in is it of on or that the this to what which with".split())
 SUFFIX = "\nIn one word, the main topic of the text above is:"
 FILES = {"faiss": "index.faiss", "chunks": "index_chunks.parquet", "centroid": "index_centroid.npy"}
 
@@ -114,11 +124,43 @@ def build_index(model, tokenizer, documents: list[dict], embed_chunk: int, direc
     return entry
 
 
+def words(text: str) -> list[str]:
+    return [w for w in WORD.findall(text.lower()) if w not in STOPWORDS]
+
+
+@dataclass
+class BM25:
+    """Okapi BM25 over the index's chunk texts (k1 1.2, b 0.75)."""
+
+    chunks: list[Counter]
+    lengths: np.ndarray
+    df: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def build(cls, texts: list[str]) -> BM25:
+        chunks = [Counter(words(t)) for t in texts]
+        return cls(chunks, np.array([sum(c.values()) for c in chunks], dtype=np.float64),
+                   Counter(w for c in chunks for w in c))
+
+    def scores(self, query: str, k1: float = 1.2, b: float = 0.75) -> np.ndarray:
+        n = len(self.chunks)
+        norm = k1 * (1 - b + b * self.lengths / max(self.lengths.mean(), 1e-9))
+        out = np.zeros(n)
+        for w in set(words(query)):
+            if not self.df[w]:
+                continue
+            idf = math.log(1 + (n - self.df[w] + 0.5) / (self.df[w] + 0.5))
+            tf = np.array([c[w] for c in self.chunks], dtype=np.float64)
+            out += idf * tf * (k1 + 1) / (tf + norm)
+        return out
+
+
 @dataclass
 class Index:
     index: faiss.Index
     centroid: np.ndarray
     chunk_docs: list[str]  # document name of each chunk id
+    lexical: BM25 | None = None
 
     @classmethod
     def open(cls, directory: Path, entry: dict) -> Index:
@@ -134,22 +176,29 @@ class Index:
             paths[key] = path
         index = faiss.read_index(str(paths["faiss"]))
         centroid = np.load(paths["centroid"], allow_pickle=False)
-        docs = pq.read_table(paths["chunks"], columns=["chunk_id", "doc_name"]).to_pydict()
+        docs = pq.read_table(paths["chunks"], columns=["chunk_id", "doc_name", "text"]).to_pydict()
         order = np.argsort(np.asarray(docs["chunk_id"]))
         names = [docs["doc_name"][i] for i in order]
         if index.ntotal != len(names) or centroid.shape != (index.d,):
             raise FleetError(f"{directory}: index files disagree ({index.ntotal} vectors, {len(names)} chunks)")
-        return cls(index, centroid.astype(np.float32), names)
+        return cls(index, centroid.astype(np.float32), names, BM25.build([docs["text"][i] for i in order]))
 
-    def search(self, query_vector: np.ndarray, k_docs: int, k_chunks: int) -> list[tuple[str, float]]:
-        """Top chunks deduped to documents in best-chunk order: (name, best chunk score)."""
+    def search(self, query_vector: np.ndarray, k_docs: int, k_chunks: int,
+               query: str = "") -> list[tuple[str, float]]:
+        """Top chunks by embedding plus lexical score, deduped to documents in best-chunk order:
+        (name, best chunk score)."""
         q = apply_centroid(query_vector[None, :], self.centroid)
-        scores, ids = self.index.search(q, min(max(k_chunks, 1), self.index.ntotal))
+        found, ids = self.index.search(q, self.index.ntotal)
+        scores = np.full(self.index.ntotal, -np.inf)
+        valid = ids[0] >= 0
+        scores[ids[0][valid]] = found[0][valid]
+        if self.lexical is not None and query:
+            lexical = self.lexical.scores(query)
+            if lexical.max() > 0:
+                scores = scores + LEXICAL_WEIGHT * lexical / lexical.max()
         out: dict[str, float] = {}
-        for score, i in zip(scores[0], ids[0], strict=True):
-            if i < 0:
-                continue
+        for i in np.argsort(-scores, kind="stable")[: min(max(k_chunks, 1), self.index.ntotal)]:
             name = self.chunk_docs[int(i)]
-            if name not in out:
-                out[name] = float(score)
+            if name not in out and np.isfinite(scores[i]):
+                out[name] = float(scores[i])
         return list(out.items())[:k_docs]
