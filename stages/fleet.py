@@ -244,8 +244,9 @@ def run_fleet(
             art = call(fleet_data.round_data, store, lm, plan, docs_by_id[plan.target], config, model_id, run_id)
             row = call(trainer.train, plan, fleet_data.examples(store, art))
             rows.append({"run_id": run_id, **row})
-            log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  loss {row['loss']:.4f}  "
-                f"lr {row['lr']:.2e}")
+            detail = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}" if row["tokens"]
+                      else "no usable conversations (all filtered): nothing trained")
+            log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  {detail}")
         trainer.checkpoint()
         per_doc = []
         for entry in manifest.documents:
