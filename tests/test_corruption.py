@@ -29,7 +29,7 @@ from storage import Store, StoreError, shards
 from storage.faults import ENV
 from tests.crash import check_store, fleet_state
 from tests.serving import write_cartridge
-from tests.test_fleet_run import quiet, write_docs
+from tests.test_fleet_run import build_fleet, copy_fleet, quiet, write_docs
 from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.reliability
@@ -231,15 +231,7 @@ def test_a_damaged_catalog_is_a_clear_error(tmp_path, damage):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, lm):
-    root = tmp_path_factory.mktemp("fleet")
-    docs = write_docs(root / "docs")
-    run_fleet(Store(root / "s"), lm, [docs], root / "f", fleet_preset("smoke"), log=quiet)
-    return root
-
-
-def copy_fleet(built: Path, tmp_path: Path) -> Path:
-    shutil.copytree(built / "f", tmp_path / "f")
-    return tmp_path / "f"
+    return build_fleet(tmp_path_factory.mktemp("fleet"), lm)
 
 
 def test_manifest_bit_flips_truncation_and_wrong_type_are_caught(built, tmp_path, lm):

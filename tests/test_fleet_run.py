@@ -123,20 +123,25 @@ def test_changing_one_of_three_documents_retrains_only_its_cartridge(tmp_path, l
     assert set(Fleet.open(fleet, lm).index().chunk_docs) == {"d0.md", "d1.md"}
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, lm):
-    root = tmp_path_factory.mktemp("built")
+def build_fleet(root, lm):
+    """A smoke fleet of three documents under `root` (fleet in `root / "f"`)."""
     docs = write_docs(root / "docs")
     run_fleet(Store(root / "s"), lm, [docs], root / "f", fleet_preset("smoke"), log=quiet)
     return root
 
 
-def damaged(built, tmp_path):
+def copy_fleet(built, tmp_path):
+    """A copy of a built fleet to damage."""
     import shutil
 
     target = tmp_path / "f"
     shutil.copytree(built / "f", target)
     return target
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, lm):
+    return build_fleet(tmp_path_factory.mktemp("built"), lm)
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -148,14 +153,14 @@ def damaged(built, tmp_path):
     (lambda f: (f / "fleet.json").unlink(), "no fleet manifest"),
 ])
 def test_a_damaged_manifest_is_a_clear_error(built, tmp_path, lm, damage, message):
-    fleet = damaged(built, tmp_path)
+    fleet = copy_fleet(built, tmp_path)
     damage(fleet)
     with pytest.raises(FleetError, match=message):
         Fleet.open(fleet, lm)
 
 
 def test_damaged_swapped_or_foreign_files_are_clear_errors(built, tmp_path, lm):
-    fleet = damaged(built, tmp_path)
+    fleet = copy_fleet(built, tmp_path)
     m = read_manifest(fleet)
     a, b = m.documents[0], m.documents[1]
     data = (fleet / a.cartridge).read_bytes()
