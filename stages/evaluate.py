@@ -75,8 +75,12 @@ class Inputs:
             check_fits(cart, lm.fingerprint, path)
             self.parts.append(cart)
         self.budget = sum(c.p for c in self.parts) or None
+        self.rotary = rotary_of(lm.model)
         self.context = cached(self._context)
         self.full_kv = cached(self._full_kv)
+        # a peer's rows are needed once per group and again for TTFT: select them once per document
+        self.knorm = cached(lambda key: knorm_rows(self.full_kv(key), self.budget, self.rotary))
+        self.snapkv = cached(self._snapkv)
 
     def doc_key(self, q: Question) -> str:
         """The document a question is asked against; the whole corpus when it names none."""
@@ -97,10 +101,10 @@ class Inputs:
                                   lm.fingerprint, init="full_kv")
             return load_cartridge(path, device=lm.device, dtype=lm.dtype).rows()
 
-    def snapkv(self, key: str, budget: int, rotary):
+    def _snapkv(self, key: str):
         rows = self.full_kv(key)
         ids = torch.tensor(self.context(key), device=self.lm.device)
-        return keep_rows(rows, snapkv_keep(self.lm.model, ids, rows[0][0].shape[0], budget), rotary)
+        return keep_rows(rows, snapkv_keep(self.lm.model, ids, rows[0][0].shape[0], self.budget), self.rotary)
 
     def retrieve(self, q: Question) -> list[str]:
         if q.question not in self.selected:
@@ -128,12 +132,9 @@ class Inputs:
             rows = compose_rows(self.parts)
             arms.append(Arm("cartridge", key=lambda q: "", rows=lambda q: rows))
         if self.parts and self.docs and peers:
-            budget = self.budget
-            rotary = rotary_of(self.lm.model)
-            arms.append(Arm("knorm", key=key, rows=lambda q: knorm_rows(self.full_kv(key(q)), budget, rotary),
-                            notes=[KVPRESS_NOTE]))
-            arms.append(Arm("snapkv", key=key, rows=lambda q: self.snapkv(key(q), budget, rotary)))
-            arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), budget)))
+            arms.append(Arm("knorm", key=key, rows=lambda q: self.knorm(key(q)), notes=[KVPRESS_NOTE]))
+            arms.append(Arm("snapkv", key=key, rows=lambda q: self.snapkv(key(q))))
+            arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), self.budget)))
         return arms
 
 
