@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
@@ -134,7 +134,7 @@ class BM25:
 
     chunks: list[Counter]
     lengths: np.ndarray
-    df: Counter = field(default_factory=Counter)
+    df: Counter
 
     @classmethod
     def build(cls, texts: list[str]) -> BM25:
