@@ -1,0 +1,100 @@
+"""What a trained cartridge's held-out drop can be read against.
+
+Held-out chunks come from each document's reserved tail, text no training chunk
+covers, so a cartridge can lower the held-out loss only by what carries over from
+the rest of the corpus. This scores a store's held-out conversations behind three
+reference prefixes and beside the trained cartridge:
+
+- ``init``: the corpus-init cartridge of the run's p rows (the run's "before");
+- ``training_region``: every document up to its reserved tail, in context, i.e. a
+  cartridge that stored the training text perfectly;
+- ``whole_corpus``: the whole corpus in context, held-out text included (ICL).
+
+Run: `python -m bench.heldout_reference --store DIR [--json]` after a training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from cartridges.cartridge import Cartridge, init_from_corpus
+from cartridges.chat import system_ids
+from cartridges.corpus import document_text
+from cartridges.models import LoadedModel, load_model
+from cartridges.prefix import capture_rows
+from cartridges.train import mean_loss
+from schemas import ChunkConfig
+from stages.chunks import heldout_reserve
+from stages.train import corpus_of, load_examples, summary_of
+from storage import Store, StoreError
+
+
+def training_region(docs: list[dict], config: ChunkConfig, tokenizer) -> str:
+    """The corpus as training chunks may cover it: each document cut before its reserved tail."""
+    multi = len(docs) > 1
+    parts = []
+    for d in docs:
+        ids = tokenizer(d["text"], add_special_tokens=False)["input_ids"]
+        keep = len(ids) - heldout_reserve(len(ids), config)
+        parts.append(document_text(d["name"], tokenizer.decode(ids[:keep]), multi))
+    return "\n".join(parts)
+
+
+def in_context(lm: LoadedModel, text: str) -> Cartridge:
+    """The exact KV of ``text`` as a system turn: the text itself in context."""
+    ids = torch.tensor(system_ids(lm.tokenizer, text), device=lm.device)
+    return Cartridge.from_rows(capture_rows(lm.model, ids), frozen=1)
+
+
+def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> dict:
+    """Held-out losses behind each reference prefix and a trained cartridge (default: the latest)."""
+    arts = {name: store.latest(name) for name in ("ingest", "chunks", "synthesize", "teacher", "train")}
+    if train_id:
+        arts["train"] = store.catalog.get(train_id)
+        if arts["train"] is None or arts["train"].stage != "train":
+            raise StoreError(f"{store.root}: no train artifact {train_id!r}; see `cartridges runs`")
+    missing = [name for name, art in arts.items() if art is None]
+    if missing:
+        raise StoreError(f"{store.root}: no complete {', '.join(missing)} artifact; train a cartridge first")
+    docs = store.table(arts["ingest"]).to_pylist()
+    _, heldout = load_examples(store.table(arts["synthesize"]), store.table(arts["teacher"]))
+    if not heldout:
+        raise StoreError(f"{store.root}: the run has no held-out conversations (heldout=0?)")
+    fields = set(ChunkConfig.__dataclass_fields__)
+    chunk_cfg = ChunkConfig.from_dict({k: v for k, v in arts["chunks"].config.items() if k in fields})
+    trained = summary_of(store, arts["train"])
+    text = corpus_of(docs)
+    losses = {
+        "init": mean_loss(lm.model, [init_from_corpus(lm, text, int(trained["p"]))], heldout),
+        "trained": trained["heldout_loss_after"],
+        "training_region": mean_loss(lm.model, [in_context(lm, training_region(docs, chunk_cfg, lm.tokenizer))],
+                                     heldout),
+        "whole_corpus": mean_loss(lm.model, [in_context(lm, text)], heldout),
+    }
+    base = losses["init"]
+    return {"heldout_conversations": len(heldout), "p": int(trained["p"]), "losses": losses,
+            "change": {k: v / base - 1 for k, v in losses.items()},
+            "trained_init_loss": trained["heldout_loss_before"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", required=True, help="artifact store of a finished training run")
+    ap.add_argument("--train", default=None, help="train artifact id (default: the latest complete one)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    lm = load_model(args.model, None)
+    out = references(Store(args.store, read_only=True), lm, args.train)
+    print(f"held-out conversations: {out['heldout_conversations']}, p={out['p']}")
+    for name, loss in out["losses"].items():
+        print(f"  {name:16s} {loss:.4f}  {out['change'][name]:+.1%}")
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
