@@ -17,7 +17,7 @@ PRESETS: dict[str, dict] = {
         "chunks": {"conversations": 8, "heldout": 2, "chunk_min": 32, "chunk_max": 64},
         "synth": {"max_q": 12, "max_a": 16, "gen_batch": 4},
         "teacher": {"batch": 4},
-        "train": {"p": 16, "accum": 2},
+        "train": {"p": 16, "accum": 2, "epochs": 1},
         # four steps on a random tiny model move the held-out loss by hundredths of a percent
         "health": {"min_heldout_drop": 0.0},
     },
