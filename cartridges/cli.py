@@ -101,6 +101,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}")
     parser.add_argument("--seed", type=int, default=None, help="seed for chunk plan, sampling and order")
     parser.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
+    parser.add_argument("--no-stop-at-question", action="store_true",
+                        help="let bot A's message run past its first '?'")
     parser.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
     parser.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
 
@@ -118,6 +120,8 @@ def pipeline_config(args: argparse.Namespace):
             overrides.setdefault(section, {})["seed"] = args.seed
     if args.no_filter:
         overrides.setdefault("synth", {})["filter"] = False
+    if args.no_stop_at_question:
+        overrides.setdefault("synth", {})["stop_at_question"] = False
     if args.no_pack:
         overrides.setdefault("train", {})["pack"] = False
     if args.checkpoint:

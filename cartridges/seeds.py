@@ -99,17 +99,18 @@ def bot_a_prompt(tokenizer, chunk_text: str, seed_type: str) -> list[int]:
     return ids + [int(t) for t in label]
 
 
-def clean_question(text: str, seed_type: str) -> str:
+def clean_question(text: str, seed_type: str, stop_at_question: bool = True) -> str:
     """Bot A's continuation as the user message bot B will see.
 
     Drops repeated labels ("Question: Question: ..."), keeps everything up to and
-    including the first '?' for question-like seeds, then keeps the first line
+    including the first '?' for question-like seeds (unless ``stop_at_question`` is
+    off, the lever that lets bot A run on), then keeps the first line
     (a user message is one line; what follows is usually bot A answering itself)
     and strips wrapping quotes.
     """
     s = seed(seed_type)
     out = _LABEL_RE.sub("", text.strip())
-    if s.stop_at_question and "?" in out:
+    if s.stop_at_question and stop_at_question and "?" in out:
         out = out[: out.index("?") + 1]
     out = out.strip().split("\n", 1)[0].strip()
     if out[:1] in _QUOTES:

@@ -170,6 +170,7 @@ class SynthConfig(_Config):
     gen_batch: int = 16
     seed: int = 7
     filter: bool = True
+    stop_at_question: bool = True  # end bot A's message at its first '?' (seeds that ask a question)
 
     def validate(self) -> None:
         for name in ("max_q", "max_a", "gen_batch"):

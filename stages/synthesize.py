@@ -61,7 +61,7 @@ def synthesize_group(
     a_streams = []
     for chunk, ctx in zip(chunks, contexts, strict=True):
         seed = SEEDS[chunk["seed_type"]]
-        stops = eot + (question_stop_ids(tok) if seed.stop_at_question else ())
+        stops = eot + (question_stop_ids(tok) if seed.stop_at_question and config.stop_at_question else ())
         a_streams.append(Stream(
             prompt=bot_a_prompt(tok, ctx, chunk["seed_type"]), max_new=config.max_q,
             temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
@@ -72,7 +72,7 @@ def synthesize_group(
     rows, b_streams, b_index = [], [], []
     for i, (chunk, ctx, gen) in enumerate(zip(chunks, contexts, a_out, strict=True)):
         raw = tok.decode([t for t in gen.tokens if t not in eot], skip_special_tokens=True)
-        question = clean_question(raw, chunk["seed_type"])
+        question = clean_question(raw, chunk["seed_type"], config.stop_at_question)
         ok, reason = score_message(question, SEEDS[chunk["seed_type"]].instruction)
         rows.append(_row(chunk, config, question, ok, reason, len(gen.tokens)))
         if ok or not config.filter:

@@ -64,6 +64,8 @@ def test_clean_question_cuts_at_question_mark():
     assert clean_question("Question: Question: Why is it fast? Because", "mechanism") == (
         "Why is it fast?")
     assert clean_question(' "Which number is quoted?" said', "verbatim") == "Which number is quoted?"
+    # With the stop lever off the message runs on to the end of its first line.
+    assert clean_question(raw, "question", stop_at_question=False) == raw.strip()
 
 
 def test_clean_question_keeps_requests_to_their_first_line():

@@ -1,9 +1,9 @@
-"""Synthesis helpers: loop cutting and question stop tokens."""
+"""Synthesis helpers: loop cutting, question stop tokens, and the stop-at-question lever."""
 
 from __future__ import annotations
 
 from stages.synthesize import loop_start, question_stop_ids
-from tests.tiny import tiny_tokenizer
+from tests.tiny import tiny_llama, tiny_tokenizer
 
 
 def test_loop_start_finds_where_a_repeated_span_recurs():
@@ -25,3 +25,31 @@ def test_question_stop_ids_are_exactly_tokens_containing_a_question_mark():
     ids = question_stop_ids(tok)
     assert ids == tuple(sorted(i for t, i in tok.get_vocab().items() if "?" in tok.convert_tokens_to_string([t])))
     assert tok.convert_tokens_to_ids("?") in ids and len(ids) >= 1
+
+
+def _bot_a_stops(monkeypatch, config) -> list[tuple[int, ...]]:
+    """The stop ids synthesize_group gives bot A's streams (generation itself is stubbed out)."""
+    from cartridges.generate import Generation
+    from stages import synthesize
+
+    seen: list[tuple[int, ...]] = []
+
+    def fake_generate(model, streams, batch_size, progress=None):
+        if not seen:  # the first call is bot A's
+            seen.extend(tuple(s.stop_ids) for s in streams)
+        return [Generation(tokens=[], finished="stop") for _ in streams]
+
+    monkeypatch.setattr(synthesize, "generate", fake_generate)
+    chunk = {"chunk_id": 0, "doc_id": 0, "seed_type": "question", "split": "train", "rng_seed": 1, "tokens": 4}
+    synthesize.synthesize_group(tiny_llama(), [chunk], ["Some text."], config)
+    return seen
+
+
+def test_bot_a_stops_at_a_question_mark_unless_the_lever_is_off(monkeypatch):
+    from schemas import SynthConfig
+
+    q = set(question_stop_ids(tiny_tokenizer()))
+    on = _bot_a_stops(monkeypatch, SynthConfig())
+    off = _bot_a_stops(monkeypatch, SynthConfig(stop_at_question=False))
+    assert q <= set(on[0])
+    assert not q & set(off[0]) and off[0]  # end-of-turn still stops it
