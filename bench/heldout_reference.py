@@ -49,16 +49,20 @@ def in_context(lm: LoadedModel, text: str) -> Cartridge:
     return Cartridge.from_rows(capture_rows(lm.model, ids), frozen=1)
 
 
+def lineage(store: Store, train_id: str | None = None) -> dict:
+    """The train artifact (default: the latest complete one) and the artifacts it was built from."""
+    train = store.catalog.get(train_id) if train_id else store.latest("train")
+    if train is None or train.stage != "train" or not train.complete:
+        what = f"complete train artifact {train_id!r}" if train_id else "complete train artifact"
+        raise StoreError(f"{store.root}: no {what}; train a cartridge first (see `cartridges runs`)")
+    documents, conversations, targets = (store.catalog.get(i) for i in train.inputs)
+    chunks = store.catalog.get(conversations.inputs[1])
+    return {"ingest": documents, "chunks": chunks, "synthesize": conversations, "teacher": targets, "train": train}
+
+
 def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> dict:
-    """Held-out losses behind each reference prefix and a trained cartridge (default: the latest)."""
-    arts = {name: store.latest(name) for name in ("ingest", "chunks", "synthesize", "teacher", "train")}
-    if train_id:
-        arts["train"] = store.catalog.get(train_id)
-        if arts["train"] is None or arts["train"].stage != "train":
-            raise StoreError(f"{store.root}: no train artifact {train_id!r}; see `cartridges runs`")
-    missing = [name for name, art in arts.items() if art is None]
-    if missing:
-        raise StoreError(f"{store.root}: no complete {', '.join(missing)} artifact; train a cartridge first")
+    """Held-out losses behind each reference prefix and beside a trained cartridge."""
+    arts = lineage(store, train_id)
     docs = store.table(arts["ingest"]).to_pylist()
     _, heldout = load_examples(store.table(arts["synthesize"]), store.table(arts["teacher"]))
     if not heldout:

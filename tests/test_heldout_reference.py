@@ -8,7 +8,7 @@ from bench.heldout_reference import references, training_region
 from schemas import ChunkConfig
 from schemas.presets import preset
 from stages.pipeline import run_pipeline
-from storage import Store
+from storage import Store, StoreError
 from tests.tiny import tiny_llama
 
 CORPUS = "Alpha beta gamma delta. The quick brown fox jumps over the lazy dog. " * 10
@@ -33,6 +33,8 @@ def test_training_region_covers_every_training_chunk_and_no_heldout_chunk(tmp_pa
     # The init reference is rebuilt here; the train stage scored the same cartridge on its own path.
     assert out["losses"]["init"] == pytest.approx(out["trained_init_loss"], rel=1e-5)
     assert out["losses"]["training_region"] != out["losses"]["whole_corpus"]
+    with pytest.raises(StoreError, match="train-nope"):
+        references(store, lm, "train-nope")
 
 
 def test_training_region_is_the_whole_document_when_nothing_is_reserved():
