@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cartridges.chat import end_of_turn_ids
+from cartridges.chat import end_of_turn_ids, system_ids
 from cartridges.generate import Stream, generate
 from cartridges.models import LoadedModel, cache_keyword
 from cartridges.prefix import Rows, prefix_cache, probe_geometry
@@ -24,7 +24,6 @@ from cartridges.qa import Question
 from cartridges.scoring import (
     bootstrap_ci,
     choose_option,
-    context_ids,
     gap_closure,
     length_normalized_choice,
     logprobs_behind,
@@ -192,7 +191,7 @@ def closure(arms: dict[str, dict], candidate: str) -> dict:
 
 def document_context(lm: LoadedModel, text: str, reserve: int) -> tuple[list[int], int]:
     """The ICL context ids for a document, cut to leave `reserve` positions, and how many were cut."""
-    ids = context_ids(lm.tokenizer, text)
+    ids = system_ids(lm.tokenizer, text)
     room = lm.context_length - reserve
     if room < 16:
         raise ValueError(f"context window {lm.context_length} leaves no room for a document")

@@ -52,11 +52,6 @@ def student_prompt(tokenizer, text: str) -> list[int]:
                           add_generation_prompt=True)
 
 
-def context_ids(tokenizer, document: str) -> list[int]:
-    """The document as a system turn: the ICL context, and the full-KV control's rows."""
-    return chat_ids(tokenizer, [{"role": "system", "content": document}])
-
-
 def reply_ids(tokenizer, prompt: list[int], reply: str) -> list[int]:
     """Token ids of `reply` as the assistant turn that follows `prompt` (closing marker excluded)."""
     full = chat_ids(tokenizer, [{"role": "system", "content": "-"}, {"role": "user", "content": "-"},

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from cartridges.cartridge import init_from_corpus
+from cartridges.chat import system_ids
 from cartridges.evaluate import Arm, score_arm
 from cartridges.files import save_cartridge
 from cartridges.qa import QAError, Question, read_questions
 from cartridges.scoring import (
     bootstrap_ci,
     choose_option,
-    context_ids,
     gap_closure,
     length_normalized_choice,
     logprobs_behind,
@@ -106,7 +106,7 @@ def _dense_logprob(lm, ids: list[int], start: int) -> float:
 def test_both_scoring_paths_equal_a_dense_forward(tiny_lm):
     tok = tiny_lm.tokenizer
     document = "The zebra code is 4417. " * 3
-    context = context_ids(tok, document)
+    context = system_ids(tok, document)
     prompt = student_prompt(tok, "What is the zebra code?")
     conts = [reply_ids(tok, prompt, r) for r in ("4417", "no idea at all")]
     rows = native_context(tiny_lm, context)
