@@ -18,13 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from cartridges.cartridge import Cartridge, init_from_corpus
 from cartridges.chat import system_ids
 from cartridges.corpus import document_text
 from cartridges.models import LoadedModel, load_model
-from cartridges.prefix import capture_rows
+from cartridges.scoring import native_context
 from cartridges.train import mean_loss
 from schemas import ChunkConfig
 from stages.chunks import heldout_reserve
@@ -44,9 +42,8 @@ def training_region(docs: list[dict], config: ChunkConfig, tokenizer) -> str:
 
 
 def in_context(lm: LoadedModel, text: str) -> Cartridge:
-    """The exact KV of ``text`` as a system turn: the text itself in context."""
-    ids = torch.tensor(system_ids(lm.tokenizer, text), device=lm.device)
-    return Cartridge.from_rows(capture_rows(lm.model, ids), frozen=1)
+    """The exact KV of ``text`` as a system turn, prefilled as the eval's ICL arm does."""
+    return Cartridge.from_rows(native_context(lm, system_ids(lm.tokenizer, text)), frozen=1)
 
 
 def lineage(store: Store, train_id: str | None = None) -> dict:
