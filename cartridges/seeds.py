@@ -99,6 +99,11 @@ def bot_a_prompt(tokenizer, chunk_text: str, seed_type: str) -> list[int]:
     return ids + [int(t) for t in label]
 
 
+def stops_at_question(seed_type: str, lever: bool = True) -> bool:
+    """Whether bot A's message for ``seed_type`` ends at its first '?' (``lever``: the config's switch)."""
+    return lever and seed(seed_type).stop_at_question
+
+
 def clean_question(text: str, seed_type: str, stop_at_question: bool = True) -> str:
     """Bot A's continuation as the user message bot B will see.
 
@@ -108,9 +113,8 @@ def clean_question(text: str, seed_type: str, stop_at_question: bool = True) -> 
     (a user message is one line; what follows is usually bot A answering itself)
     and strips wrapping quotes.
     """
-    s = seed(seed_type)
     out = _LABEL_RE.sub("", text.strip())
-    if s.stop_at_question and stop_at_question and "?" in out:
+    if stops_at_question(seed_type, stop_at_question) and "?" in out:
         out = out[: out.index("?") + 1]
     out = out.strip().split("\n", 1)[0].strip()
     if out[:1] in _QUOTES:

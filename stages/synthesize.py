@@ -19,7 +19,14 @@ import pyarrow as pa
 from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
 from cartridges.generate import Stream, generate, loop_start
 from cartridges.models import LoadedModel
-from cartridges.seeds import SEEDS, bot_a_prompt, clean_question, score_answer, score_message
+from cartridges.seeds import (
+    SEEDS,
+    bot_a_prompt,
+    clean_question,
+    score_answer,
+    score_message,
+    stops_at_question,
+)
 from schemas import TABLES, SynthConfig, validate_table
 from stages.fanout import Fanout
 from storage import StageContext, Store
@@ -60,8 +67,7 @@ def synthesize_group(
     eot = tuple(end_of_turn_ids(tok))
     a_streams = []
     for chunk, ctx in zip(chunks, contexts, strict=True):
-        seed = SEEDS[chunk["seed_type"]]
-        stops = eot + (question_stop_ids(tok) if seed.stop_at_question and config.stop_at_question else ())
+        stops = eot + (question_stop_ids(tok) if stops_at_question(chunk["seed_type"], config.stop_at_question) else ())
         a_streams.append(Stream(
             prompt=bot_a_prompt(tok, ctx, chunk["seed_type"]), max_new=config.max_q,
             temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
