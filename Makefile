@@ -90,11 +90,14 @@ bench-synth: setup
 equiv: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p $(P) --suffix-max 128
 
+# The layer contract (pyproject's [tool.importlinter]) first: an upward import or a cycle fails fast.
 test: setup
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) models artifacts

@@ -26,15 +26,16 @@ from pathlib import Path
 import httpx
 import torch
 
+from cartridges.batch import Stream
 from cartridges.cartridge import compose_rows, init_from_corpus
 from cartridges.chat import chat_ids
 from cartridges.corpus import corpus_text
 from cartridges.files import check_fits, load_cartridge, save_cartridge
-from cartridges.generate import Stream, generate
+from cartridges.generate import generate
 from cartridges.models import load_model
-from cartridges.serve.main import Server
-from cartridges.serve.options import ServeConfig
-from cartridges.serve.selector import CartridgeSelector, render_prompt
+from server.main import Server
+from server.options import ServeConfig
+from server.selector import CartridgeSelector, render_prompt
 
 DEFAULT_DOCS = ["README.md", "docs/PIPELINE.md", "docs/SERVE.md", "docs/corpus/deflate.md"]
 QUESTIONS = [

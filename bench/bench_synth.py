@@ -14,8 +14,9 @@ import time
 
 import torch
 
+from cartridges.batch import Stream
 from cartridges.chat import chat_ids, end_of_turn_ids
-from cartridges.generate import Stream, generate
+from cartridges.generate import generate
 from cartridges.models import load_model
 
 INSTRUCTION = "\n\nWrite one specific question that this text answers."

@@ -52,7 +52,7 @@ def tiny_assets(directory: Path) -> tuple[Path, Path]:
 
 
 def start_server(model: Path, cartridge: Path, max_batch: int, max_tokens: int, log: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-c", "import sys; from cartridges.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())", "serve",
            "--model", str(model), "--cartridge", str(cartridge), "--port", "0", "--threads", "1",
            "--max-batch", str(max_batch), "--max-tokens-cap", str(max_tokens), "--name", "fox",
            "--default-max-tokens", str(max_tokens)]

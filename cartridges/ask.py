@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+from cartridges.batch import Stream
 from cartridges.cartridge import compose_rows
 from cartridges.chat import chat_ids, end_of_turn_ids, without_system
 from cartridges.corpus import corpus_text
 from cartridges.files import check_fits, load_cartridge
-from cartridges.generate import Stream, generate
+from cartridges.generate import generate
 from cartridges.models import LoadedModel, load_model
 
 

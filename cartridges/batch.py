@@ -16,16 +16,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from cartridges.models import cache_keyword, project
-from cartridges.prefix import Rows, forward_behind, prefix_length, read_cache
+from cartridges.models import cache_keyword, project, read_cache
+from cartridges.prefix import Rows, forward_behind, prefix_length
 
-if TYPE_CHECKING:
-    from cartridges.generate import Stream
+
+@dataclass
+class Stream:
+    """One conversation to continue; `prompt` is already chat-rendered token ids."""
+
+    prompt: list[int]
+    max_new: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    loop_span: int = 0  # > 0: end the stream once a window of this many tokens recurs
 
 
 @dataclass

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cartridges.batch import Stream
 from cartridges.chat import end_of_turn_ids, system_ids
-from cartridges.generate import Stream, generate
-from cartridges.models import LoadedModel, cache_keyword
-from cartridges.prefix import Rows, prefix_cache, probe_geometry
+from cartridges.generate import generate
+from cartridges.models import LoadedModel, cache_keyword, probe_geometry
+from cartridges.prefix import Rows, prefix_cache
 from cartridges.qa import Question
 from cartridges.scoring import (
     bootstrap_ci,

@@ -16,21 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cartridges.batch import Batch, looped
+from cartridges.batch import Batch, Stream, looped
 from cartridges.prefix import Rows
-
-
-@dataclass
-class Stream:
-    """One conversation to continue; `prompt` is already chat-rendered token ids."""
-
-    prompt: list[int]
-    max_new: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()
-    loop_span: int = 0  # > 0: end the stream once a window of this many tokens recurs
 
 
 @dataclass

@@ -219,6 +219,31 @@ def project(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def read_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) of a cache, `[B, H, T, d]`, across cache API versions."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+
+
+@torch.no_grad()
+def own_cache(model: torch.nn.Module, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The cache rows the model itself writes for `input_ids` `[B, T]`: per layer `[B, H, T, d]`."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    target = backbone(model)
+    target(input_ids=input_ids, use_cache=True, **{cache_keyword(target): cache})
+    return read_cache(cache)
+
+
+def probe_geometry(model: torch.nn.Module) -> list[list[int]]:
+    """Per-layer `[kv_heads_k, head_dim_k, kv_heads_v, head_dim_v]`, read off a real cache."""
+    device = next(model.parameters()).device
+    rows = own_cache(model, torch.zeros(1, 1, dtype=torch.long, device=device))
+    return [[k.shape[1], k.shape[3], v.shape[1], v.shape[3]] for k, v in rows]
+
+
 def _hash(obj: object) -> str:
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
@@ -226,8 +251,6 @@ def _hash(obj: object) -> str:
 
 def model_fingerprint(model: torch.nn.Module, tokenizer: object) -> dict:
     """Architecture, per-layer KV geometry, and hashes of config, tokenizer and weights."""
-    from cartridges.prefix import probe_geometry
-
     cfg = model.config.to_dict()
     config_view = {k: cfg.get(k) for k in _SEMANTIC_CONFIG_KEYS if k in cfg}
     vocab = sorted(tokenizer.get_vocab().items()) if hasattr(tokenizer, "get_vocab") else []

@@ -15,16 +15,9 @@ import torch
 import torch.utils.checkpoint
 from transformers import DynamicCache
 
-from cartridges.models import backbone, cache_keyword
+from cartridges.models import backbone, cache_keyword, own_cache
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer ([H, p, d] keys, values)
-
-
-def read_cache(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per-layer (keys, values) of a cache, `[B, H, T, d]`, across cache API versions."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))
 
 
 def prefix_cache(rows: Rows, batch: int = 1) -> DynamicCache:
@@ -153,14 +146,4 @@ def forward_behind(
 @torch.no_grad()
 def capture_rows(model: torch.nn.Module, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The model's own cache rows for a token sequence `[T]`: per layer `[H, T, d]`."""
-    cache = DynamicCache()
-    target = backbone(model)
-    target(input_ids=input_ids.view(1, -1), use_cache=True, **{cache_keyword(target): cache})
-    return [(k[0].detach().clone(), v[0].detach().clone()) for k, v in read_cache(cache)]
-
-
-def probe_geometry(model: torch.nn.Module) -> list[list[int]]:
-    """Per-layer `[kv_heads_k, head_dim_k, kv_heads_v, head_dim_v]`, read off a real cache."""
-    device = next(model.parameters()).device
-    rows = capture_rows(model, torch.zeros(1, dtype=torch.long, device=device))
-    return [[k.shape[0], k.shape[2], v.shape[0], v.shape[2]] for k, v in rows]
+    return [(k[0].detach().clone(), v[0].detach().clone()) for k, v in own_cache(model, input_ids.view(1, -1))]

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
+from cartridges.batch import Stream
 from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
-from cartridges.generate import Stream, generate, loop_start
+from cartridges.generate import generate, loop_start
 from cartridges.models import LoadedModel
 from cartridges.seeds import (
     SEEDS,

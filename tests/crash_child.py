@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-import cartridges.cli  # noqa: F401  (imported before forking, so children start warm)
+import cli.main  # noqa: F401  (imported before forking, so children start warm)
 import stages.fleet  # noqa: F401
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str], env: dict[str, str], log: str) -> None:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    from cartridges.cli import main as cli
+    from cli.main import main as cli
 
     code = cli(argv)
     sys.stdout.flush()

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import httpx
 
+from cartridges.batch import Stream
 from cartridges.cartridge import init_from_corpus
 from cartridges.files import save_cartridge
-from cartridges.generate import Stream, generate
+from cartridges.generate import generate
 from cartridges.models import LoadedModel
-from cartridges.serve.main import Server
-from cartridges.serve.options import ServeConfig
-from cartridges.serve.selector import CartridgeSelector, render_prompt
+from server.main import Server
+from server.options import ServeConfig
+from server.selector import CartridgeSelector, render_prompt
 
 TEXTS = {
     "fox": "The quick brown fox jumps over the lazy dog. " * 4,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.batch import Batch
-from cartridges.generate import Stream, generate
+from cartridges.batch import Batch, Stream
+from cartridges.generate import generate
 from cartridges.prefix import capture_rows
 from tests.tiny import TINY, tiny_llama
 

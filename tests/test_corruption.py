@@ -304,7 +304,7 @@ def test_a_full_disk_loses_nothing_already_written(built, tmp_path, lm, monkeypa
 
 
 def test_the_cli_reports_a_full_disk_in_one_line(tmp_path, tiny_model_dir, monkeypatch, capsys):
-    from cartridges.cli import main
+    from cli.main import main
 
     docs = write_docs(tmp_path / "docs")
     monkeypatch.setenv(ENV, "atomic.write.part-00000.parquet:enospc")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cartridges.cli import build_parser
+from cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_DOC = ROOT / "docs" / "CLI.md"  # generated from the parser; checked whole below
@@ -81,6 +81,6 @@ def test_every_table_and_column_is_documented():
 
 
 def test_the_command_reference_is_generated_from_the_parser():
-    from cartridges.cli_docs import render
+    from cli.docs import render
 
-    assert CLI_DOC.read_text() == render(), "docs/CLI.md is stale: python -m cartridges.cli_docs > docs/CLI.md"
+    assert CLI_DOC.read_text() == render(), "docs/CLI.md is stale: python -m cli.docs > docs/CLI.md"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cartridges.cli import main
 from cartridges.equiv import equivalence
+from cli.main import main
 
 CORPUS = Path(__file__).resolve().parent.parent / "docs" / "corpus" / "deflate.md"
 

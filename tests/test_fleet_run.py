@@ -194,7 +194,7 @@ def test_public_api_selects_and_composes(built, lm):
 
 
 def test_fleet_flow_through_prefect_cli_then_sql_ask_and_index_rebuild(tmp_path, tiny_model_dir, capsys):
-    from cartridges.cli import main
+    from cli.main import main
 
     docs = write_docs(tmp_path / "docs")
     store, fleet = tmp_path / "store", tmp_path / "fleet"

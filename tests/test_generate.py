@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
+from cartridges.batch import Stream
 from cartridges.chat import chat_ids
-from cartridges.generate import Stream, generate
+from cartridges.generate import generate
 from cartridges.prefix import capture_rows
 from tests.tiny import TINY, tiny_llama, tiny_qwen3
 

@@ -35,7 +35,7 @@ def test_no_heldout_conversations_checks_the_curve_only():
 
 
 def test_a_failed_run_is_recorded_failed_and_train_exits_3(tmp_path, tiny_model_dir, capsys):
-    from cartridges.cli import main
+    from cli.main import main
     from storage import Store
 
     corpus = tmp_path / "c.md"

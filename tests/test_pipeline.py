@@ -108,7 +108,7 @@ def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, co
 
 
 def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpus, tiny_model_dir, capsys):
-    from cartridges.cli import main
+    from cli.main import main
 
     store = tmp_path / "store"
     code = main(["train", "--model", str(tiny_model_dir), "--corpus", str(corpus), "--preset", "smoke",
@@ -126,8 +126,8 @@ def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpu
 
 
 def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpus, tiny_model_dir, capsys):
-    from cartridges.cli import main
     from cartridges.models import load_model
+    from cli.main import main
 
     store = tmp_path / "store"
     lm = load_model(str(tiny_model_dir))
@@ -148,7 +148,7 @@ def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpu
 
 @pytest.mark.parametrize("bad", ["missing", "binary"])
 def test_train_with_bad_corpus_is_one_line_and_starts_no_run(tmp_path, tiny_model_dir, capsys, bad):
-    from cartridges.cli import main
+    from cli.main import main
 
     path = tmp_path / "c.md"
     if bad == "binary":

@@ -12,9 +12,10 @@ import openai
 import pytest
 import torch
 
-from cartridges.generate import Stream, generate
-from cartridges.serve.main import reload_on_sighup
-from cartridges.serve.selector import render_prompt
+from cartridges.batch import Stream
+from cartridges.generate import generate
+from server.main import reload_on_sighup
+from server.selector import render_prompt
 from tests.serving import TEXTS, chat, greedy, reference, start, write_cartridge
 from tests.tiny import tiny_llama
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from cartridges.generate import Stream, generate
-from cartridges.serve.selector import render_prompt
+from cartridges.batch import Stream
+from cartridges.generate import generate
+from server.selector import render_prompt
 from tests.serving import start, write_cartridge
 
 QUESTIONS = (

@@ -8,13 +8,14 @@ import time
 import pytest
 import torch
 
-from cartridges.generate import Stream, generate
+from cartridges.batch import Stream
+from cartridges.generate import generate
 from cartridges.prefix import capture_rows
-from cartridges.serve.engine import Accepted, Engine
-from cartridges.serve.errors import ApiError
-from cartridges.serve.options import ServeConfig
-from cartridges.serve.schema import ChatParams
-from cartridges.serve.selector import Selection, render_prompt
+from server.engine import Accepted, Engine
+from server.errors import ApiError
+from server.options import ServeConfig
+from server.schema import ChatParams
+from server.selector import Selection, render_prompt
 from tests.tiny import tiny_llama
 
 

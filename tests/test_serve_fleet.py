@@ -10,23 +10,24 @@ import openai
 import pytest
 import torch
 
-from cartridges.cli import main as cli_main
+from cartridges.batch import Stream
 from cartridges.errors import FleetError
 from cartridges.fleet import Fleet
-from cartridges.generate import Stream, generate
-from cartridges.serve.engine import Accepted, Engine
-from cartridges.serve.fleet_selector import (
+from cartridges.generate import generate
+from cli.main import main as cli_main
+from schemas.presets import fleet_preset
+from server.engine import Accepted, Engine
+from server.fleet_selector import (
     Conversation,
     Conversations,
     FleetSelector,
     identity,
     switches,
 )
-from cartridges.serve.main import Server
-from cartridges.serve.options import ServeConfig
-from cartridges.serve.schema import ChatParams
-from cartridges.serve.selector import render_prompt
-from schemas.presets import fleet_preset
+from server.main import Server
+from server.options import ServeConfig
+from server.schema import ChatParams
+from server.selector import render_prompt
 from stages.fleet import run_fleet
 from storage import Store
 from tests.test_fleet_run import quiet, write_docs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cartridges.serve.text import TextStream
+from server.text import TextStream
 from tests.tiny import tiny_tokenizer
 
 TOK = tiny_tokenizer()

@@ -1,6 +1,6 @@
 """Render docs/CLI.md from the argument parser, so the reference cannot drift from the code.
 
-Run `python -m cartridges.cli_docs > docs/CLI.md` after changing a command; a test
+Run `python -m cli.docs > docs/CLI.md` after changing a command; a test
 compares the file with this output.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from cartridges.cli import build_parser
+from cli.main import build_parser
 
 WIDTH = 100
 
@@ -20,7 +20,7 @@ def render() -> str:
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     helps = {c.dest: c.help for c in subs._choices_actions}
     lines = ["# Command reference", "",
-             "Generated from the parser by `python -m cartridges.cli_docs`; every command takes",
+             "Generated from the parser by `python -m cli.docs`; every command takes",
              "`--debug` (tracebacks), and those that report figures take `--json` (one JSON object",
              "as the last line). User errors print one line `error: ...` and exit 2. A training run",
              "that fails the health check (held-out loss not clearly lower, or a diverging loss",

@@ -31,8 +31,8 @@ from cartridges.errors import CartridgeError
 from cartridges.fleet.api import Fleet
 from cartridges.models import LoadedModel
 from cartridges.prefix import Rows, prefix_length
-from cartridges.serve.errors import bad_request, internal
-from cartridges.serve.selector import Selection, render_prompt
+from server.errors import bad_request, internal
+from server.selector import Selection, render_prompt
 
 COMPOSED_CACHE = 32  # compositions (tuples of documents) whose rows are kept composed
 

@@ -19,15 +19,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cartridges.batch import Batch, Running
+from cartridges.batch import Batch, Running, Stream
 from cartridges.chat import end_of_turn_ids
-from cartridges.generate import Stream
 from cartridges.models import LoadedModel
 from cartridges.prefix import prefix_length
-from cartridges.serve.errors import ApiError, bad_request, internal, overloaded
-from cartridges.serve.options import ServeConfig
-from cartridges.serve.schema import ChatParams
-from cartridges.serve.selector import Selection, Selector
+from server.errors import ApiError, bad_request, internal, overloaded
+from server.options import ServeConfig
+from server.schema import ChatParams
+from server.selector import Selection, Selector
 
 Sink = Callable[[str, object], None]  # (kind, data): "accepted", "token", "done", "error"
 

@@ -22,12 +22,12 @@ from starlette.requests import ClientDisconnect
 
 from cartridges.errors import CartridgeError
 from cartridges.models import LoadedModel
-from cartridges.serve.engine import Accepted, Engine, Job
-from cartridges.serve.errors import ApiError, internal, too_large, unauthorized
-from cartridges.serve.options import ServeConfig
-from cartridges.serve.schema import ChatParams, parse_chat
-from cartridges.serve.selector import Selector
-from cartridges.serve.text import TextStream
+from server.engine import Accepted, Engine, Job
+from server.errors import ApiError, internal, too_large, unauthorized
+from server.options import ServeConfig
+from server.schema import ChatParams, parse_chat
+from server.selector import Selector
+from server.text import TextStream
 
 DISCONNECT_POLL_S = 0.5
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from cartridges.cli import (
+from cartridges.errors import CartridgeError
+from cli.common import (
     add_common,
     add_model_args,
     add_runner_args,
@@ -12,7 +13,6 @@ from cartridges.cli import (
     command,
     emit_json,
 )
-from cartridges.errors import CartridgeError
 
 # CLI option -> (FleetConfig field or "section.field", type).
 FLEET_OPTIONS: list[tuple[str, str, type]] = [

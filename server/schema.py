@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cartridges.serve.errors import bad_request
-from cartridges.serve.options import ServeConfig
+from server.errors import bad_request
+from server.options import ServeConfig
 
 StrictStr = Annotated[str, Field(strict=True)]
 StrictInt = Annotated[int, Field(strict=True)]

@@ -19,10 +19,10 @@ import uvicorn
 
 from cartridges.errors import CartridgeError, CartridgeFileError, FleetError
 from cartridges.models import LoadedModel, load_model
-from cartridges.serve.app import create_app
-from cartridges.serve.engine import Engine
-from cartridges.serve.options import ServeConfig, serve_config
-from cartridges.serve.selector import CartridgeSelector, Selector
+from server.app import create_app
+from server.engine import Engine
+from server.options import ServeConfig, serve_config
+from server.selector import CartridgeSelector, Selector
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.device)
     selector: Selector
     if args.fleet:
-        from cartridges.serve.fleet_selector import FleetSelector
+        from server.fleet_selector import FleetSelector
 
         selector = FleetSelector(lm, args.fleet, rag_docs=args.rag_docs, adaptive=args.rag_adaptive,
                                  margin=0.05 if args.rag_margin is None else args.rag_margin,

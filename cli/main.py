@@ -3,37 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from collections.abc import Callable
 
 from cartridges.errors import CartridgeError
-
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
-
-
-def command(name: str):
-    def register(fn):
-        COMMANDS[name] = fn
-        return fn
-
-    return register
-
-
-def emit_json(args: argparse.Namespace, obj: dict) -> None:
-    """With --json, the last printed line is one JSON object."""
-    if getattr(args, "json", False):
-        print(json.dumps(obj, default=str), flush=True)
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model dir, .gguf file, or cached hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
-
-
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+from cli.common import (
+    COMMANDS,
+    add_common,
+    add_model_args,
+    add_runner_args,
+    check_runner,
+    command,
+    emit_json,
+)
+from cli.fleet import add_parsers, ask_fleet
 
 
 @command("equiv")
@@ -127,20 +109,6 @@ def pipeline_config(args: argparse.Namespace):
     if args.checkpoint:
         overrides.setdefault("train", {})["checkpoint"] = True
     return preset(args.preset, overrides)
-
-
-def add_runner_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task-runner", choices=("local", "dask"), default="local",
-                        help="where shards and per-document work run: this process, or Dask workers (prefect-dask)")
-    parser.add_argument("--dask-address", default=None,
-                        help="scheduler of an existing Dask cluster, tcp://HOST:PORT (default: a local cluster)")
-
-
-def check_runner(args: argparse.Namespace) -> None:
-    if args.no_prefect and (args.task_runner != "local" or args.dask_address):
-        raise CartridgeError("--task-runner dask runs through Prefect; drop --no-prefect")
-    if args.dask_address and args.task_runner != "dask":
-        raise CartridgeError("--dask-address needs --task-runner dask")
 
 
 def require_corpus(args: argparse.Namespace) -> list[str]:
@@ -252,8 +220,6 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if not question:
         raise CartridgeError("a question is required (positional or --question)")
     if args.fleet:
-        from cartridges.fleet.cli import ask_fleet
-
         return ask_fleet(args, question)
     results = ask_arms(args.model, args.device, args.cartridge or [], question, args.corpus or [], args.max_new)
     for arm in results:
@@ -290,7 +256,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 @command("serve")
 def cmd_serve(args: argparse.Namespace) -> int:
-    from cartridges.serve.main import run
+    from server.main import run
 
     return run(args)
 
@@ -363,11 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new", type=int, default=128)
     add_common(p)
 
-    from cartridges.fleet.cli import add_parsers
-
     add_parsers(sub)
 
-    from cartridges.serve.options import add_serve_args
+    from server.options import add_serve_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible server answering behind cartridge(s)")
     add_model_args(p)
