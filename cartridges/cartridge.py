@@ -143,7 +143,7 @@ def corpus_prefix_ids(lm: LoadedModel, text: str, p: int) -> list[int]:
 def init_from_corpus(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Cartridge:
     """The paper's winning init: the model's own K/V for the corpus's first p tokens."""
     ids = torch.tensor(corpus_prefix_ids(lm, text, p), device=lm.device)
-    return Cartridge.from_rows(capture_rows(lm.model, ids), frozen, {"init": "corpus"})
+    return Cartridge.from_rows(_float32(capture_rows(lm.model, ids)), frozen, {"init": "corpus"})
 
 
 def init_random(lm: LoadedModel, text: str, p: int, frozen: int = 1, seed: int = 0) -> Cartridge:
@@ -157,4 +157,9 @@ def init_random(lm: LoadedModel, text: str, p: int, frozen: int = 1, seed: int =
         rv = torch.randn(v.shape, generator=gen, dtype=torch.float32).to(v) * v.float().std().item()
         rk[:, :frozen], rv[:, :frozen] = k[:, :frozen], v[:, :frozen]
         rows.append((rk, rv))
-    return Cartridge.from_rows(rows, frozen, {"init": "random"})
+    return Cartridge.from_rows(_float32(rows), frozen, {"init": "random"})
+
+
+def _float32(rows: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Trainable rows (and so Adam's moments) are float32 whatever the model computes in."""
+    return [(k.float(), v.float()) for k, v in rows]

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from cartridges.batch import Batch, Stream, looped
-from cartridges.prefix import Rows
+from cartridges.batch import Batch, Running, Stream, looped
+from cartridges.prefix import Rows, capture_rows
+from cartridges.sharing import shared_groups
 
 
 @dataclass
@@ -36,10 +37,17 @@ def generate(
     batch_size: int = 16,
     prefix_rows: Rows | None = None,
     progress: Callable[[int], None] | None = None,
+    share_min: int = 0,
 ) -> list[Generation]:
-    """Continue every stream (groups of `batch_size`, in order); results in input order."""
+    """Continue every stream (groups of `batch_size`, in order); results in input order.
+
+    `share_min > 0`: streams of a group whose prompts start with at least that many
+    common tokens prefill them once and continue behind the captured rows.
+    """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if share_min and prefix_rows is not None:
+        raise ValueError("share_min needs streams without prefix rows (shared rows are captured from position 0)")
     for i, stream in enumerate(streams):
         _check(i, stream)
     rows = list(prefix_rows) if prefix_rows is not None else []
@@ -53,7 +61,7 @@ def generate(
     with torch.no_grad():
         for start in range(0, len(todo), batch_size):
             idx = todo[start : start + batch_size]
-            for i, gen in zip(idx, _run_group(model, [streams[i] for i in idx], rows, progress), strict=True):
+            for i, gen in zip(idx, _run_group(model, [streams[i] for i in idx], rows, progress, share_min), strict=True):
                 results[i] = gen
     return results  # type: ignore[return-value]
 
@@ -68,10 +76,14 @@ def _check(i: int, stream: Stream) -> None:
 
 
 def _run_group(
-    model: torch.nn.Module, group: Sequence[Stream], rows: Rows, progress: Callable[[int], None] | None
+    model: torch.nn.Module, group: Sequence[Stream], rows: Rows, progress: Callable[[int], None] | None,
+    share_min: int = 0,
 ) -> list[Generation]:
     batch = Batch(model)
-    states = batch.join(group, rows)
+    if share_min:
+        states = _join_shared(model, batch, group, share_min)
+    else:
+        states = batch.join(group, rows)
     while len(batch):
         batch.choose(progress)
         if len(batch):
@@ -85,6 +97,25 @@ def _run_group(
         )
         for st in states
     ]
+
+
+def _join_shared(model: torch.nn.Module, batch: Batch, group: Sequence[Stream], share_min: int) -> list[Running]:
+    """Join each set of streams with a common prompt head behind that head's rows, prefilled once."""
+    states: list[Running | None] = [None] * len(group)
+    alone: list[int] = []
+    device = next(model.parameters()).device
+    # Every stream keeps at least one prompt token of its own: its first choice reads that row.
+    for length, members in shared_groups([s.prompt for s in group], share_min, [len(s.prompt) - 1 for s in group]):
+        if not length:
+            alone += members
+            continue
+        head = capture_rows(model, torch.tensor(group[members[0]].prompt[:length], device=device))
+        tails = [replace(group[i], prompt=group[i].prompt[length:]) for i in members]
+        for i, st in zip(members, batch.join(tails, head), strict=True):
+            states[i] = st
+    for i, st in zip(alone, batch.join([group[i] for i in alone]), strict=True):
+        states[i] = st
+    return states  # type: ignore[return-value]
 
 
 def loop_start(tokens: list[int], span: int) -> int | None:

@@ -125,6 +125,8 @@ def forward_behind(
     p = prefix_length(rows)
     positions, allowed = layout(p, (batch, length), attention_mask, segment_ids, input_ids.device)
     dtype = next(model.parameters()).dtype
+    if p and rows[0][0].dtype != dtype:  # float32 cartridge rows behind a bfloat16 model
+        rows = [(k.to(dtype), v.to(dtype)) for k, v in rows]
     if use_cache:
         cache = prefix_cache(rows, batch) if p else DynamicCache()
     else:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 from cartridges.models import backbone, project
+from cartridges.prefix import capture_rows, forward_behind
+from cartridges.sharing import shared_groups
 
 
 def truncate_topk(logits: torch.Tensor, k: int, mass: float) -> list[tuple[list[int], list[float]]]:
@@ -25,19 +27,32 @@ def truncate_topk(logits: torch.Tensor, k: int, mass: float) -> list[tuple[list[
 @torch.no_grad()
 def teacher_targets(
     model: torch.nn.Module, sequences: list[list[int]], starts: list[int], k: int = 20, mass: float = 0.99,
+    share_min: int = 0,
 ) -> list[list[tuple[list[int], list[float]]]]:
     """For each sequence, targets for tokens `start..end` (read from rows `start-1..end-1`).
 
-    Each sequence runs alone through the backbone with the model's own causal
-    attention: no compute spent on padding, and no explicit mask, so attention can
-    take its causal fast path.
+    A sequence runs alone through the backbone with the model's own causal attention:
+    no compute spent on padding, and no explicit mask, so attention can take its causal
+    fast path. With `share_min > 0`, sequences that start with at least that many common
+    tokens (conversations about one chunk) prefill them once, and each runs only its own
+    tail behind the captured rows.
     """
     device = next(model.parameters()).device
     body = backbone(model)
-    out = []
     for seq, start in zip(sequences, starts, strict=True):
         if not 1 <= start < len(seq):
             raise ValueError(f"supervised start {start} outside sequence of length {len(seq)}")
-        hidden = body(input_ids=torch.tensor([seq], device=device), use_cache=False).last_hidden_state[0]
-        out.append(truncate_topk(project(model, hidden[start - 1 : len(seq) - 1]), k, mass))
+    out: list = [None] * len(sequences)
+    groups = (shared_groups(sequences, share_min, [s - 1 for s in starts]) if share_min
+              else [(0, [i]) for i in range(len(sequences))])
+    for length, members in groups:
+        head = capture_rows(model, torch.tensor(sequences[members[0]][:length], device=device)) if length else None
+        for i in members:
+            seq, start = sequences[i], starts[i]
+            ids = torch.tensor([seq[length:]], device=device)
+            if head is None:
+                hidden = body(input_ids=ids, use_cache=False).last_hidden_state[0]
+            else:
+                hidden = forward_behind(model, head, ids)[0]
+            out[i] = truncate_topk(project(model, hidden[start - 1 - length : len(seq) - 1 - length]), k, mass)
     return out

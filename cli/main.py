@@ -57,6 +57,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--heldout", "chunks", "heldout", int),
     ("--chunk-min", "chunks", "chunk_min", int),
     ("--chunk-max", "chunks", "chunk_max", int),
+    ("--per-chunk", "chunks", "per_chunk", int),
     ("--max-q", "synth", "max_q", int),
     ("--max-a", "synth", "max_a", int),
     ("--temperature-a", "synth", "temperature_a", float),

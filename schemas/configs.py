@@ -141,10 +141,13 @@ class ChunkConfig(_Config):
     chunk_max: int = 512
     seed: int = 7
     seed_types: tuple[str, ...] = SEED_TYPES
+    per_chunk: int = 4  # conversations (distinct seed types) per sampled span, prefilled once
 
     def validate(self) -> None:
         if self.conversations < 1:
             raise _bad(self, "conversations", "must be >= 1")
+        if self.per_chunk < 1:
+            raise _bad(self, "per_chunk", "must be >= 1")
         if self.heldout < 0:
             raise _bad(self, "heldout", "must be >= 0")
         if self.chunk_min < 16:

@@ -1,8 +1,10 @@
 """Chunks: plan the token spans that self-study quizzes the model about.
 
-Each chunk is drawn with its own RNG keyed by (seed, split, index), so chunk i
+Each span is drawn with its own RNG keyed by (seed, split, span index), so span j
 is the same whatever the number of chunks planned, and a larger run extends a
-smaller one instead of reshuffling it.
+smaller one instead of reshuffling it. A span serves `per_chunk` consecutive
+conversations with distinct seed types (chunk-major self-study): the bots and the
+teacher prefill its tokens once for all of them.
 
 Held-out chunks must never overlap training chunks, so each document long
 enough to spare it reserves a tail: ``max(ceil(0.1 * tokens), chunk_min)``
@@ -77,23 +79,31 @@ def plan_spans(lengths: list[tuple[int, int]], config: ChunkConfig) -> list[dict
         pool = lengths if split == "train" else [(d, n) for d, n in lengths if reserve[d]]
         ids = [d for d, _ in pool]
         weights = [n for _, n in pool]
+        k = config.per_chunk
         for index in range(count):
-            rng_seed = chunk_seed(config.seed, split, index)
-            rng = random.Random(rng_seed)
-            doc = rng.choices(ids, weights=weights)[0]
-            if split == "train":
-                lo, hi = 0, total[doc] - reserve[doc]
-            else:
-                lo, hi = total[doc] - reserve[doc], total[doc]
-            size = min(rng.randint(config.chunk_min, config.chunk_max), hi - lo)
-            start = lo + rng.randint(0, hi - lo - size)
+            if index % k == 0:
+                rng = random.Random(chunk_seed(config.seed, split, index // k))
+                doc = rng.choices(ids, weights=weights)[0]
+                if split == "train":
+                    lo, hi = 0, total[doc] - reserve[doc]
+                else:
+                    lo, hi = total[doc] - reserve[doc], total[doc]
+                size = min(rng.randint(config.chunk_min, config.chunk_max), hi - lo)
+                start = lo + rng.randint(0, hi - lo - size)
+                types = [rng.choice(config.seed_types)] if k == 1 else _seed_types(rng, config.seed_types, k)
             rows.append({
                 "chunk_id": index if split == "train" else HELDOUT_ID_BASE + index,
                 "doc_id": doc, "start": start, "end": start + size, "tokens": size,
-                "seed_type": rng.choice(config.seed_types), "split": split,
-                "rng_seed": rng_seed,
+                "seed_type": types[index % k], "split": split,
+                "rng_seed": chunk_seed(config.seed, split, index),
             })
     return rows
+
+
+def _seed_types(rng: random.Random, types: tuple[str, ...], k: int) -> list[str]:
+    """`k` seed types for one span: all distinct while there are enough, then again from the start."""
+    order = rng.sample(list(types), len(types))
+    return [order[i % len(order)] for i in range(k)]
 
 
 def plan_chunks(docs: list[dict], config: ChunkConfig) -> list[dict]:

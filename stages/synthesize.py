@@ -6,6 +6,8 @@ and dropped before bot B runs. Bot B (greedy, chunk as the system turn) answers;
 prompt plus its tokens form the teacher sequence byte for byte. The student sequence
 is the same ids with the chunk's system turn cut away (the cartridge takes its place).
 
+Conversations about one chunk (several seed types) share their prompt heads: each bot
+prefills the chunk once per group and continues every conversation behind those rows.
 Conversations are written in shards of `gen_batch`; a rerun after a crash keeps the
 finished shards and generates only the rest.
 """
@@ -28,13 +30,14 @@ from cartridges.seeds import (
     score_message,
     stops_at_question,
 )
+from cartridges.sharing import SHARE_MIN
 from schemas import TABLES, SynthConfig, validate_table
 from stages.fanout import Fanout
 from storage import StageContext, Store
 from storage.faults import fault_point
 
 NAME = "synthesize"
-VERSION = 1
+VERSION = 2
 
 
 def question_stop_ids(tokenizer) -> tuple[int, ...]:
@@ -73,7 +76,7 @@ def synthesize_group(
             prompt=bot_a_prompt(tok, ctx, chunk["seed_type"]), max_new=config.max_q,
             temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
         ))
-    a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, progress=progress)
+    a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
     fault_point("synthesize.questions")  # questions generated, answers not yet
 
     rows, b_streams, b_index = [], [], []
@@ -87,7 +90,7 @@ def synthesize_group(
             b_streams.append(Stream(prompt=chat_ids(tok, messages, add_generation_prompt=True),
                                     max_new=config.max_a, stop_ids=eot, loop_span=LOOP_SPAN))
             b_index.append(i)
-    b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress)
+    b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
 
     for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
         row, ctx = rows[i], contexts[i]

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from cartridges.models import LoadedModel
+from cartridges.sharing import SHARE_MIN
 from cartridges.targets import teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
 from stages.fanout import Fanout
@@ -18,7 +19,7 @@ from storage import StageContext, Store
 from storage.faults import fault_point
 
 NAME = "teacher"
-VERSION = 1
+VERSION = 2
 
 # Conversations per Parquet shard: the unit of work a crash can lose.
 SHARD = 32
@@ -36,7 +37,7 @@ def target_rows(lm: LoadedModel, convs: list[dict], config: TeacherConfig) -> li
         group = convs[start : start + config.batch]
         targets = teacher_targets(
             lm.model, [c["teacher_ids"] for c in group], [c["answer_start"] for c in group],
-            config.top_k, config.top_mass,
+            config.top_k, config.top_mass, share_min=SHARE_MIN,
         )
         for conv, per_position in zip(group, targets, strict=True):
             for j, (ids, logprobs) in enumerate(per_position):

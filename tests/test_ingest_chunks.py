@@ -156,7 +156,7 @@ def _docs_of(lengths: list[int]) -> list[dict]:
             for i, n in enumerate(lengths)]
 
 
-CFG = ChunkConfig(conversations=40, heldout=6, chunk_min=32, chunk_max=64, seed=3)
+CFG = ChunkConfig(conversations=40, heldout=6, chunk_min=32, chunk_max=64, seed=3, per_chunk=1)
 
 
 def test_plan_is_deterministic_and_seeded():
@@ -210,6 +210,30 @@ def test_heldout_spans_never_overlap_train_spans():
     assert not [h for h in held if h["doc_id"] in (2, 3)]
     tiny = [t for t in train if t["doc_id"] == 3]
     assert tiny and all((t["start"], t["end"]) == (0, 20) for t in tiny)
+
+
+def test_chunk_major_plan_gives_each_span_distinct_seed_types():
+    docs = _docs_of([3000, 1200])
+    cfg = CFG.replace(conversations=42, heldout=8, per_chunk=4)
+    rows = plan_chunks(docs, cfg)
+    for split in ("train", "heldout"):
+        part = [r for r in rows if r["split"] == split]
+        spans = [part[i : i + 4] for i in range(0, len(part), 4)]
+        assert len(spans) == -(-len(part) // 4)
+        for span in spans:
+            assert len({(r["doc_id"], r["start"], r["end"]) for r in span}) == 1
+            assert len({r["seed_type"] for r in span}) == len(span)
+        assert len({(s[0]["doc_id"], s[0]["start"]) for s in spans}) == len(spans)
+    assert len({r["rng_seed"] for r in rows}) == len(rows)
+    # A larger plan extends a smaller one: the same spans and seeds for the first conversations.
+    smaller = plan_chunks(docs, cfg.replace(conversations=20))
+    assert [r for r in smaller if r["split"] == "train"] == [r for r in rows if r["split"] == "train"][:20]
+
+
+def test_one_conversation_per_chunk_is_the_classic_plan():
+    docs = _docs_of([3000])
+    one = plan_chunks(docs, CFG.replace(per_chunk=1))
+    assert len({(r["start"], r["end"]) for r in one if r["split"] == "train"}) > 30
 
 
 def test_reserved_tail_sizes():
