@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cartridges.fleet import Fleet
-from cartridges.models import fingerprint_id, load_model
+from cartridges.models import load_model
 from schemas.presets import fleet_preset
 from stages import fleet_data
 from stages.fleet import run_fleet
@@ -41,7 +41,7 @@ def retrieval(store: Store, lm, fleet_dir: Path, cfg) -> dict:
         doc = next(Path(d) for d in DOCS if Path(d).name == entry.name)
         ids = lm.tokenizer(doc.read_text(), add_special_tokens=False)["input_ids"]
         art = fleet_data.heldout_data(store, lm, {"doc_id": entry.doc_id, "name": entry.name, "sha256": entry.sha256,
-                                                  "token_ids": ids}, cfg, fingerprint_id(lm.fingerprint))
+                                                  "token_ids": ids}, cfg, lm.compute_id)
         for conv in store.table(art, "conversations").to_pylist():
             if not conv["question"].strip():
                 continue

@@ -31,8 +31,8 @@ def answer(lm: LoadedModel, prompt: list[int], rows, max_new: int) -> tuple[str,
 
 
 def ask_arms(model: str | None, device: str | None, cartridges: list[str], question: str,
-             corpus: list[str], max_new: int = 128) -> list[dict]:
-    lm = load_model(model, device)
+             corpus: list[str], max_new: int = 128, dtype: str | None = None) -> list[dict]:
+    lm = load_model(model, device, dtype)
     arms = []
     prompt = student_prompt(lm.tokenizer, question)
     if cartridges:

@@ -22,6 +22,7 @@ import torch
 
 from cartridges.errors import ModelError
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DIRNAME = "smollm2-135m-instruct"
@@ -60,6 +61,11 @@ class LoadedModel:
         if self._fingerprint is None:
             self._fingerprint = model_fingerprint(self.model, self.tokenizer)
         return self._fingerprint
+
+    @property
+    def compute_id(self) -> str:
+        """The fingerprint id plus the dtype: what stage artifacts computed by this model depend on."""
+        return fingerprint_id({**self.fingerprint, "dtype": str(self.dtype).removeprefix("torch.")})
 
     @property
     def context_length(self) -> int:
@@ -143,12 +149,24 @@ def pick_device(device: str | None) -> torch.device:
         raise ModelError(f"--device {device}: {exc}") from exc
 
 
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """`--dtype` as given: None or 'auto' (bfloat16 on CUDA, float32 on CPU), or a name in DTYPES."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ModelError(f"--dtype {name}: choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
 def load_model(
-    spec: str | None = None, device: str | None = None, dtype: torch.dtype | None = None
+    spec: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None
 ) -> LoadedModel:
     """Load and freeze a model. `spec` is None/'smollm2', a directory, a .gguf file or a hub id."""
     start = time.perf_counter()
     dev = pick_device(device)
+    dtype = parse_dtype(dtype)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if spec in (None, "", DEFAULT_MODEL, "default"):
@@ -260,7 +278,9 @@ def model_fingerprint(model: torch.nn.Module, tokenizer: object) -> dict:
         "special": sorted(map(str, getattr(tokenizer, "all_special_tokens", []))),
     }
     emb = model.get_input_embeddings().weight
-    sample = emb[: min(8, emb.shape[0])].detach().float().cpu().numpy().tobytes()
+    # Rounded to bfloat16 first, so the same weights loaded in float32 or bfloat16 share one
+    # fingerprint and a cartridge trained in one dtype serves in the other.
+    sample = emb[: min(8, emb.shape[0])].detach().to(torch.bfloat16).float().cpu().numpy().tobytes()
     return {
         "architecture": type(model).__name__,
         "model_type": cfg.get("model_type"),

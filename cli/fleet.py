@@ -106,13 +106,13 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         from stages.fleet import run_fleet
         from storage import Store
 
-        summary = run_fleet(Store(args.store), load_model(args.model, args.device), docs, args.fleet, cfg,
+        summary = run_fleet(Store(args.store), load_model(args.model, args.device, args.dtype), docs, args.fleet, cfg,
                             resume=args.resume, eval_distractors=args.eval_distractors)
     else:
         from flows.fleet import fleet_flow
 
         summary = fleet_flow(docs=[str(d) for d in docs], fleet=args.fleet, config=cfg.to_dict(), model=args.model,
-                             device=args.device, store_root=args.store, resume=args.resume,
+                             device=args.device, dtype=args.dtype, store_root=args.store, resume=args.resume,
                              eval_distractors=args.eval_distractors, task_runner=args.task_runner,
                              dask_address=args.dask_address)
     for line in summary_lines(summary):
@@ -131,7 +131,7 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     args.no_prefect = False
     check_runner(args)
     summary = retrain_flow(docs=[str(d) for d in docs], fleet=args.fleet, preset=args.preset, model=args.model,
-                           device=args.device, store_root=args.store, serve_url=args.serve_url,
+                           device=args.device, dtype=args.dtype, store_root=args.store, serve_url=args.serve_url,
                            serve_pid_file=args.serve_pid_file, task_runner=args.task_runner,
                            dask_address=args.dask_address)
     print(summary["message"])
@@ -147,7 +147,7 @@ def ask_fleet(args: argparse.Namespace, question: str) -> int:
     from cartridges.fleet.api import Fleet
     from cartridges.models import load_model
 
-    lm = load_model(args.model, args.device)
+    lm = load_model(args.model, args.device, args.dtype)
     fleet = Fleet.open(args.fleet, lm)
     if args.oracle:
         for name in args.oracle:

@@ -25,7 +25,7 @@ def cmd_equiv(args: argparse.Namespace) -> int:
     from cartridges.models import load_model
 
     text = corpus_text(args.corpus)
-    lm = load_model(args.model, args.device)
+    lm = load_model(args.model, args.device, args.dtype)
     print(f"model {lm.name} loaded in {lm.load_seconds:.1f}s ({lm.dtype}, {lm.device})", flush=True)
     r = equivalence(lm, text, args.p, args.suffix_max, args.parts)
     print(f"prefix rows {r['prefix_rows']} ({r['parts']} part(s) of p={r['p']}), suffix tokens {r['n']}")
@@ -41,7 +41,7 @@ def cmd_equiv(args: argparse.Namespace) -> int:
 def cmd_model(args: argparse.Namespace) -> int:
     from cartridges.models import load_model
 
-    lm = load_model(args.model, args.device)
+    lm = load_model(args.model, args.device, args.dtype)
     fp = lm.fingerprint
     heads = {tuple(g) for g in fp["layers"]}
     print(f"model {lm.name}: {fp['architecture']}, {len(fp['layers'])} layers, KV geometry {sorted(heads)}")
@@ -134,13 +134,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         from stages.pipeline import run_pipeline
         from storage import Store
 
-        summary = run_pipeline(Store(args.store), load_model(args.model, args.device), corpus, cfg,
+        summary = run_pipeline(Store(args.store), load_model(args.model, args.device, args.dtype), corpus, cfg,
                                save=args.save, force=tuple(force))
     else:
         from flows.cartridge import cartridge_flow
 
         summary = cartridge_flow(corpus=[str(c) for c in corpus], config=cfg.to_dict(), model=args.model,
-                                 device=args.device, store_root=args.store, save=args.save, force=force,
+                                 device=args.device, dtype=args.dtype, store_root=args.store, save=args.save, force=force,
                                  task_runner=args.task_runner, dask_address=args.dask_address)
     losses = summary.get("losses") or []
     for i, loss in enumerate(losses):
@@ -153,7 +153,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @command("stage")
 def cmd_stage(args: argparse.Namespace) -> int:
-    from cartridges.models import fingerprint_id, load_model
+    from cartridges.models import load_model
     from stages import chunks, ingest, synthesize, teacher, train
     from storage import Store
 
@@ -166,8 +166,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
             raise CartridgeError(f"stage {args.name} needs a complete '{stage}' artifact; run that stage first")
         return art
 
-    lm = load_model(args.model, args.device)  # every stage needs at least its tokenizer
-    mid = fingerprint_id(lm.fingerprint)
+    lm = load_model(args.model, args.device, args.dtype)  # every stage needs at least its tokenizer
+    mid = lm.compute_id
     if args.name == "ingest":
         res = ingest.run(store, require_corpus(args), lm.tokenizer, cfg.ingest, tokenizer_id=mid, force=args.force_stage)
     elif args.name == "chunks":
@@ -222,7 +222,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise CartridgeError("a question is required (positional or --question)")
     if args.fleet:
         return ask_fleet(args, question)
-    results = ask_arms(args.model, args.device, args.cartridge or [], question, args.corpus or [], args.max_new)
+    results = ask_arms(args.model, args.device, args.cartridge or [], question, args.corpus or [], args.max_new,
+                       args.dtype)
     for arm in results:
         print(f"--- {arm['arm']}: {arm['kv_rows']} KV rows, time to first token {arm['ttft_s'] * 1000:.0f} ms")
         print(arm["answer"])
@@ -244,7 +245,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise CartridgeError("eval: give --cartridge FILE, --fleet DIR and/or --corpus PATH (nothing to compare)")
     if args.cartridge and args.fleet:
         raise CartridgeError("eval: give --cartridge or --fleet, not both")
-    lm = load_model(args.model, args.device)
+    lm = load_model(args.model, args.device, args.dtype)
     result = evaluate.run(Store(args.store), lm, args.qa, questions, problems, args.cartridge or [],
                           args.corpus or [], max_new=args.max_new, peers=not args.no_peers, force=args.force,
                           log=lambda line: print(line, file=sys.stderr), fleet_dir=args.fleet)

@@ -29,6 +29,7 @@ def as_task(fn, *args, **kwargs):
 @flow(name="cartridge", log_prints=True)
 def cartridge_flow(
     corpus: list[str], config: dict | None = None, model: str | None = None, device: str | None = None,
+    dtype: str | None = None,
     store_root: str | None = None, save: str | None = None, force: list[str] | None = None,
     preset: str = "default", task_runner: str = "local", dask_address: str | None = None,
 ) -> dict:
@@ -36,8 +37,8 @@ def cartridge_flow(
     Dask workers (a local cluster, or the scheduler at `dask_address`)."""
     cfg = pipeline_preset(preset, config or {})
     store = Store(store_root)
-    lm = load_model(model, device)
-    with fanout(task_runner, dask_address, model, device) as workers:
+    lm = load_model(model, device, dtype)
+    with fanout(task_runner, dask_address, model, device, dtype) as workers:
         summary = run_pipeline(store, lm, corpus, cfg, save=save, force=tuple(force or ()), call=as_task,
                                fanout=workers)
     create_markdown_artifact(markdown=markdown_summary(summary), key="cartridge-summary",

@@ -33,6 +33,7 @@ def as_task(fn, *args, **kwargs):
 @flow(name="fleet", log_prints=True)
 def fleet_flow(
     docs: list[str], fleet: str, config: dict | None = None, model: str | None = None, device: str | None = None,
+    dtype: str | None = None,
     store_root: str | None = None, resume: bool = False, eval_distractors: int = 0, preset: str = "default",
     task_runner: str = "local", dask_address: str | None = None, publish: bool = False,
     serve_url: str | None = None, serve_pid_file: str | None = None,
@@ -43,8 +44,8 @@ def fleet_flow(
     it and tells a running server to reload (as the retrain flow does, but always training)."""
     cfg = fleet_preset(preset, config or {})
     store = Store(store_root)
-    lm = load_model(model, device)
-    with fanout(task_runner, dask_address, model, device) as workers:
+    lm = load_model(model, device, dtype)
+    with fanout(task_runner, dask_address, model, device, dtype) as workers:
         if publish:
             summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, only_changed=False,
                                   notify=partial(notify_reload, serve_url, serve_pid_file))

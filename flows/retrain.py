@@ -21,7 +21,8 @@ from storage import Store
 @flow(name="retrain", log_prints=True)
 def retrain_flow(
     docs: list[str], fleet: str, preset: str | None = None, config: dict | None = None, model: str | None = None,
-    device: str | None = None, store_root: str | None = None, serve_url: str | None = None,
+    device: str | None = None, dtype: str | None = None, store_root: str | None = None,
+    serve_url: str | None = None,
     serve_pid_file: str | None = None, task_runner: str = "local", dask_address: str | None = None,
 ) -> dict:
     """`fleet` is the fleet root (versions/ + current). Without `preset` the live fleet's own config
@@ -29,9 +30,9 @@ def retrain_flow(
     from $CARTRIDGES_API_KEY) and/or SIGHUP to the PID in `serve_pid_file`."""
     cfg = retrain_config(fleet, preset, config)
     store = Store(store_root)
-    lm = load_model(model, device)
+    lm = load_model(model, device, dtype)
     notify = partial(notify_reload, serve_url, serve_pid_file)
-    with fanout(task_runner, dask_address, model, device) as workers:
+    with fanout(task_runner, dask_address, model, device, dtype) as workers:
         summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, notify=notify)
     create_markdown_artifact(markdown=markdown_summary(summary), key="retrain-summary",
                              description="fleet retrain run")

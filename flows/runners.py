@@ -38,7 +38,7 @@ def _api_for_workers() -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def fanout(task_runner: str = "local", dask_address: str | None = None, model: str | None = None,
-           device: str | None = None, dask_workers: int | None = None) -> Iterator[Fanout | None]:
+           device: str | None = None, dtype: str | None = None, dask_workers: int | None = None) -> Iterator[Fanout | None]:
     if task_runner not in RUNNERS:
         raise ValueError(f"task runner {task_runner!r}: choose one of {', '.join(RUNNERS)}")
     if task_runner == "local":
@@ -61,4 +61,4 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
             futures = flow_context.copy().run(lambda: [runner.submit(piece, {"job": job}) for job in jobs])
             return [f.result() for f in futures]
 
-        yield Fanout(map=submit_all, model=WorkerModel(model, device, torch.get_num_threads()))
+        yield Fanout(map=submit_all, model=WorkerModel(model, device, torch.get_num_threads(), dtype))

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         read_manifest(args.fleet)  # a missing or damaged manifest is a one-line error before the model loads
     if args.threads:
         torch.set_num_threads(args.threads)
-    lm = load_model(args.model, args.device)
+    lm = load_model(args.model, args.device, args.dtype)
     selector: Selector
     if args.fleet:
         from server.fleet_selector import FleetSelector

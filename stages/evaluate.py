@@ -36,7 +36,7 @@ from cartridges.evaluate import (
     summarize_arm,
 )
 from cartridges.files import check_fits, load_cartridge, save_cartridge
-from cartridges.models import LoadedModel, fingerprint_id
+from cartridges.models import LoadedModel
 from cartridges.prefix import capture_rows
 from cartridges.qa import Question
 from schemas import EVALS
@@ -271,7 +271,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
                   if fleet else None),
         "qa": _sha(Path(qa)), "cartridges": [_sha(Path(c)) for c in cartridges],
         "docs": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in docs.items()},
-        "model": fingerprint_id(lm.fingerprint), "max_new": max_new, "peers": peers,
+        "model": lm.compute_id, "max_new": max_new, "peers": peers,
     }
     result: dict = {}
 

@@ -26,11 +26,12 @@ Map = Callable[[Callable[[Any], Any], list[Any]], list[Any]]
 
 @dataclass(frozen=True)
 class WorkerModel:
-    """How a worker loads the flow's model: the same spec and device, the same thread count."""
+    """How a worker loads the flow's model: the same spec, device and dtype, the same thread count."""
 
     spec: str | None
     device: str | None
     threads: int
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ _LOCK = threading.Lock()
 def worker_model(ref: WorkerModel) -> LoadedModel:
     """The model for this process (loaded on first use), with the flow's thread count set."""
     torch.set_num_threads(ref.threads)
-    key = (ref.spec, ref.device)
+    key = (ref.spec, ref.device, ref.dtype)
     with _LOCK:
         if key not in _MODELS:
-            _MODELS[key] = load_model(ref.spec, ref.device)
+            _MODELS[key] = load_model(ref.spec, ref.device, ref.dtype)
         return _MODELS[key]

@@ -38,7 +38,7 @@ from cartridges.fleet.manifest import (
 )
 from cartridges.fleet.residents import new_resident, save_resident
 from cartridges.health import training_health
-from cartridges.models import LoadedModel, fingerprint_id
+from cartridges.models import LoadedModel
 from cartridges.spans import keyed_seed
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
 from stages import fleet_data, ingest
@@ -211,7 +211,7 @@ def run_fleet(
     """
     directory = Path(directory)
     files = fleet_files(docs, config.ingest)
-    model_id = fingerprint_id(lm.fingerprint)
+    model_id = lm.compute_id
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):

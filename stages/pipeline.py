@@ -18,7 +18,7 @@ from typing import Any
 from tqdm import tqdm
 
 from cartridges.health import health_fields
-from cartridges.models import LoadedModel, fingerprint_id
+from cartridges.models import LoadedModel
 from schemas import HealthConfig, PipelineConfig
 from stages import chunks, ingest, synthesize, teacher, train
 from stages.fanout import Fanout
@@ -75,7 +75,7 @@ def run_pipeline(
 
     With `fanout`, synthesis and teacher shards run on its workers (same rows as in-process).
     """
-    model_id = fingerprint_id(lm.fingerprint)
+    model_id = lm.compute_id
     run_id = store.catalog.start_run("cartridge")
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):

@@ -29,7 +29,7 @@ from typing import Any
 
 from cartridges.errors import FleetError
 from cartridges.fleet.manifest import MANIFEST, Manifest, read_manifest
-from cartridges.models import LoadedModel, fingerprint_id
+from cartridges.models import LoadedModel
 from schemas import FleetConfig
 from schemas.presets import fleet_preset
 from stages import ingest
@@ -142,7 +142,7 @@ def run_retrain(
         run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
         with store.catalog.failing_run(run_id):
             docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
-                            tokenizer_id=fingerprint_id(lm.fingerprint), run_id=run_id)
+                            tokenizer_id=lm.compute_id, run_id=run_id)
             documents = store.table(docs_art).to_pylist()
             live = live_version(root)
             if is_versioned(root) and live is None:
