@@ -5,8 +5,12 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -25,6 +29,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 VOCAB = 260
+# Shorter than the prefixes the tests use, so sliding-window layers see only part of a cartridge.
+WINDOW = 5
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
@@ -62,4 +68,41 @@ def tiny_qwen3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 
     return wrap(model, tiny_tokenizer(), "tiny-qwen3")
 
 
-TINY = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+def tiny_gemma3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """Gemma 3's text stack: sliding and global layers (different RoPE bases), one KV head,
+    q/k-norm, scaled embeddings, (1 + w) norms and final logit soft-capping."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=WINDOW, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        max_position_embeddings=2048, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        pad_token_id=257, eos_token_id=257, bos_token_id=256,
+    )
+    model = Gemma3ForCausalLM(cfg).to(dtype)
+    _perturb_norms(model, seed)
+    return wrap(model, tiny_tokenizer(), "tiny-gemma3")
+
+
+def tiny_mistral(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """Mistral: every layer slides over the last `WINDOW` positions."""
+    torch.manual_seed(seed)
+    cfg = MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+        sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=257, eos_token_id=257,
+    )
+    model = MistralForCausalLM(cfg).to(dtype)
+    return wrap(model, tiny_tokenizer(), "tiny-mistral")
+
+
+def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
+    """Gemma initializes its (1 + w) norm weights at zero; random ones make q/k-norm matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+
+
+TINY = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "mistral": tiny_mistral}
