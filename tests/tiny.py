@@ -28,21 +28,80 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma 3's template (google/gemma-3-*-it, tokenizer_config.json): no system role; a
+# system message is folded into the first user turn, followed by a blank line.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
 VOCAB = 260
 # Shorter than the prefixes the tests use, so sliding-window layers see only part of a cartridge.
 WINDOW = 5
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def _byte_tokenizer() -> Tokenizer:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Bytes plus ChatML markers, with SmolLM2's default-system injection."""
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+        tokenizer_object=_byte_tokenizer(), bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
     )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def gemma_tokenizer() -> PreTrainedTokenizerFast:
+    """Bytes plus Gemma's turn markers (ids 256..259), with Gemma 3's chat template."""
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_byte_tokenizer(), bos_token="<bos>", eos_token="<eos>", pad_token="<eos>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    fast.chat_template = GEMMA3_TEMPLATE
     return fast
 
 
@@ -81,7 +140,7 @@ def tiny_gemma3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int =
     )
     model = Gemma3ForCausalLM(cfg).to(dtype)
     _perturb_norms(model, seed)
-    return wrap(model, tiny_tokenizer(), "tiny-gemma3")
+    return wrap(model, gemma_tokenizer(), "tiny-gemma3")
 
 
 def tiny_mistral(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
