@@ -115,22 +115,29 @@ def _from_gguf(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except Exception as exc:  # transformers raises many types for unreadable files
-        raise ModelError(f"{path}: cannot load GGUF ({exc})") from exc
+        raise ModelError(f"{path}: cannot load GGUF ({one_line(exc)})") from exc
     return model, tokenizer
 
 
 def _from_dir_or_hub(spec: str, dtype: torch.dtype | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    where = "directory" if Path(spec).is_dir() else "hub id (offline, local cache only)"
+    try:
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"{spec}: cannot load model from {where} ({one_line(exc)})") from exc
+    if getattr(config, "is_encoder_decoder", False):  # refused before any weights are read
+        raise ModelError(f"{spec} ({config.model_type}): cannot host cartridges: an encoder-decoder model "
+                         "(a cartridge is a prefix of a decoder-only model's self-attention cache)")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except Exception as exc:
-        where = "directory" if Path(spec).is_dir() else "hub id (offline, local cache only)"
-        raise ModelError(f"{spec}: cannot load model from {where} ({exc})") from exc
+        raise ModelError(f"{spec}: cannot load model from {where} ({one_line(exc)})") from exc
     return model, tokenizer
 
 
@@ -167,33 +174,74 @@ def load_model(
         model, tokenizer = _from_dir_or_hub(spec, dtype)
     model = model.to(device=dev, dtype=dtype)
     return LoadedModel(
-        model=freeze(model), tokenizer=tokenizer, name=name,
+        model=freeze(model, name), tokenizer=tokenizer, name=name,
         load_seconds=time.perf_counter() - start,
     )
 
 
 def wrap(model: torch.nn.Module, tokenizer: object, name: str = "custom") -> LoadedModel:
     """Host an in-memory model (tests build tiny random ones from a config)."""
-    return LoadedModel(model=freeze(model), tokenizer=tokenizer, name=name)
+    return LoadedModel(model=freeze(model, name), tokenizer=tokenizer, name=name)
 
 
-def freeze(model: torch.nn.Module) -> torch.nn.Module:
+def freeze(model: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
     """Only cartridge rows train: every weight is frozen and the model is in eval mode."""
     model.requires_grad_(False)
     model.eval()
-    check_supported(model)
+    check_supported(model, name)
     return model
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Reject models whose attention cannot read an independent per-layer prefix."""
+# Layer kinds whose attention reads an ordinary per-layer K/V cache through a mask.
+HOSTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_supported(model: torch.nn.Module, name: str | None = None) -> None:
+    """Refuse, in one line naming the model and the reason, a model whose cache the engine cannot host."""
+    reason = unsupported_reason(model)
+    if reason:
+        label = f"{name} ({type(model).__name__})" if name else type(model).__name__
+        raise ModelError(f"{label}: cannot host cartridges: {reason}")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why a cartridge cannot enter this model's cache, or None when it can.
+
+    A cartridge is per-layer K/V rows in a standard transformers cache read by causal
+    self-attention; the last check runs the model on two tokens and reads its cache.
+    """
     cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "an encoder-decoder model (a cartridge is a prefix of a decoder-only model's self-attention cache)"
     shared = getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_shared_layers", 0)
     if shared:
-        raise ModelError(
-            f"{type(model).__name__}: shares KV across layers ({shared} layers); "
-            "a cartridge needs independent K/V rows per layer"
-        )
+        return f"shares KV across layers ({shared} layers); a cartridge needs independent K/V rows per layer"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "its attention is bidirectional, so real tokens would not simply follow the prefix"
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(HOSTED_LAYER_TYPES))
+    if other:
+        return f"layer types {', '.join(other)} do not read a standard K/V cache through a mask"
+    return _cache_reason(model)
+
+
+def _cache_reason(model: torch.nn.Module) -> str | None:
+    layers = getattr(model.config, "num_hidden_layers", None)
+    try:
+        rows = own_cache(model, torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+    except Exception as exc:  # any failure here means the forward does not take a standard cache
+        return f"its forward does not fill a standard transformers cache ({type(exc).__name__}: {one_line(exc)})"
+    standard = all(
+        isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == 2 for pair in rows for t in pair
+    )
+    if not rows or not standard or (layers is not None and len(rows) != layers):
+        return (f"a non-standard cache ({len(rows)} entries for {layers} layers, not one "
+                "[batch, heads, tokens, dim] K/V pair per layer)")
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
