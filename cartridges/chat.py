@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import re
 
+from cartridges.errors import ModelError
+
 THINK_SPAN = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 # Stand-ins that no template writes on its own, to find where a message's text lands.
 _SYSTEM_PROBE = "cartridge-system-probe"
 _USER_PROBE = "cartridge-user-probe"
 
 
+def require_template(tokenizer) -> None:
+    """Self-study, training, ask and serve all render conversations; a base model cannot."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(
+            "the model has no chat template (a base model): self-study, training, ask and serve render "
+            "conversations with one; a base model supports `cartridges model` and `cartridges equiv` only"
+        )
+
+
 def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
     """Token ids of a rendered conversation (thinking disabled where the template has it)."""
+    require_template(tokenizer)
     out = tokenizer.apply_chat_template(
         messages,
         tokenize=True,
@@ -30,6 +42,7 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = Fals
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    require_template(tokenizer)
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
     )

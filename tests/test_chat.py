@@ -81,3 +81,16 @@ def test_a_template_that_drops_system_messages_is_refused():
     )
     with pytest.raises(ValueError, match="neither as a turn nor ahead of the first user turn"):
         system_ids(tok, DOC)
+
+
+def test_a_base_model_without_a_template_is_refused_in_one_line():
+    from cartridges.cartridge import init_from_corpus
+    from cartridges.errors import ModelError
+
+    lm = tiny_llama()
+    lm.tokenizer.chat_template = None
+    for attempt in (lambda: system_ids(lm.tokenizer, DOC), lambda: render_prompt(lm.tokenizer, [{"role": "user", "content": Q1}]),
+                    lambda: init_from_corpus(lm, DOC * 4, p=8)):
+        with pytest.raises(ModelError, match="no chat template") as err:
+            attempt()
+        assert "\n" not in str(err.value)
