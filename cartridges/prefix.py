@@ -117,7 +117,7 @@ def windowed(allowed: torch.Tensor, window: int) -> torch.Tensor:
     own rule (a key is seen when `q - k < window`) read off the mask alone, whatever
     the padding, packing or cache layout.
     """
-    from_end = allowed.flip(-1).long().cumsum(-1).flip(-1)
+    from_end = allowed.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
     return allowed & (from_end <= window)
 
 
