@@ -12,7 +12,7 @@ from cartridges.loss import Targets, sparse_distill, student_loss
 from cartridges.prefix import capture_rows, forward_behind
 from tests.tiny import TINY, VOCAB, WINDOW, tiny_llama
 
-SLIDING = ("gemma3", "mistral")
+SLIDING = ("gemma3", "mistral", "phi3")
 
 P, S = 12, 9
 
@@ -135,6 +135,7 @@ def exact_norms(monkeypatch):
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     def forward(self, x):
@@ -143,7 +144,7 @@ def exact_norms(monkeypatch):
     def gemma_forward(self, x):  # Gemma scales by (1 + w)
         return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
-    for cls in (LlamaRMSNorm, Qwen3RMSNorm, MistralRMSNorm):
+    for cls in (LlamaRMSNorm, Qwen3RMSNorm, MistralRMSNorm, Phi3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
     monkeypatch.setattr(Gemma3RMSNorm, "forward", gemma_forward)
 

@@ -1,7 +1,7 @@
 """Every tested architecture end to end: the equivalence gate and one served request.
 
 Llama and Qwen3 attend over everything; Gemma 3 mixes sliding and global layers with
-one KV head; Mistral slides on every layer. Prefixes here are longer than the tiny
+one KV head; Mistral and Phi-3 slide on every layer. Prefixes here are longer than the tiny
 window, so the window cuts through the cartridge rows.
 """
 

@@ -11,6 +11,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -155,6 +157,19 @@ def tiny_mistral(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int 
     return wrap(model, tiny_tokenizer(), "tiny-mistral")
 
 
+def tiny_phi3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """Phi-3: fused qkv and gate/up projections, every layer sliding over `WINDOW` positions."""
+    torch.manual_seed(seed)
+    cfg = Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, original_max_position_embeddings=2048,
+        sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False,
+        pad_token_id=257, eos_token_id=257, bos_token_id=256,
+    )
+    model = Phi3ForCausalLM(cfg).to(dtype)
+    return wrap(model, tiny_tokenizer(), "tiny-phi3")
+
+
 def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
     """Gemma initializes its (1 + w) norm weights at zero; random ones make q/k-norm matter."""
     gen = torch.Generator().manual_seed(seed)
@@ -164,4 +179,4 @@ def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.5 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
 
 
-TINY = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "mistral": tiny_mistral}
+TINY = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "mistral": tiny_mistral, "phi3": tiny_phi3}
