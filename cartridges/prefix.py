@@ -4,6 +4,10 @@ Rows are already in cache space (post q/k-norm, post-RoPE at 0..p-1), so they go
 straight into a fresh `DynamicCache`; real tokens then run at positions p, p+1, ...
 under an explicit 4-D mask in which every real token sees every prefix row and is
 causal among real tokens of its own segment (packing) that are not padding.
+
+An explicit mask replaces the one the model would build, sliding window included, so
+sliding-window layers get their window here: a query sees the last `window` keys of
+those it may see, which is where a real prefix of the same length would sit.
 """
 
 from __future__ import annotations
@@ -105,6 +109,34 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask.unsqueeze(1)
 
 
+def windowed(allowed: torch.Tensor, window: int) -> torch.Tensor:
+    """Keep, of the keys each query may see, the last `window` (itself included).
+
+    Keys are in position order and a query's last visible key is itself, so counting
+    visible keys from the end gives `1 + query position - key position`: the model's
+    own rule (a key is seen when `q - k < window`) read off the mask alone, whatever
+    the padding, packing or cache layout.
+    """
+    from_end = allowed.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)
+    return allowed & (from_end <= window)
+
+
+def attention_masks(model: torch.nn.Module, allowed: torch.Tensor, dtype: torch.dtype):
+    """The additive mask the layers read for `allowed` `[B, Q, K]`: one tensor, or one per
+    layer type (`{"full_attention": ..., "sliding_attention": ...}`) where only some slide."""
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # Mistral, Phi-3: a configured window applies to every layer
+        return additive_mask(windowed(allowed, window) if window else allowed, dtype)
+    if not window or "sliding_attention" not in types:
+        return additive_mask(allowed, dtype)
+    return {
+        kind: additive_mask(windowed(allowed, window) if kind == "sliding_attention" else allowed, dtype)
+        for kind in sorted(set(types))
+    }
+
+
 def forward_behind(
     model: torch.nn.Module,
     rows: Rows,
@@ -133,7 +165,7 @@ def forward_behind(
         cache = PrefixCache(rows, batch)
     target = model if logits else backbone(model)
     kwargs = {
-        "input_ids": input_ids, "attention_mask": additive_mask(allowed, dtype), "position_ids": positions,
+        "input_ids": input_ids, "attention_mask": attention_masks(target, allowed, dtype), "position_ids": positions,
         "use_cache": True, cache_keyword(target): cache,
     }
     if checkpoint and torch.is_grad_enabled():

@@ -26,7 +26,8 @@ def emit_json(args: argparse.Namespace, obj: dict) -> None:
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model dir, .gguf file, or cached hub id (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help="packaged name (smollm2, gemma3-270m), model dir, .gguf file, or cached hub id "
+                        "(default: smollm2, SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
     parser.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
                         help="weights and activations (default auto: bfloat16 on cuda, float32 on cpu); "

@@ -10,7 +10,9 @@ from cartridges.chat import system_ids
 from cartridges.equiv import cut
 from cartridges.loss import Targets, sparse_distill, student_loss
 from cartridges.prefix import capture_rows, forward_behind
-from tests.tiny import TINY, VOCAB, tiny_llama
+from tests.tiny import TINY, VOCAB, WINDOW, tiny_llama
+
+SLIDING = ("gemma3", "mistral", "phi3")
 
 P, S = 12, 9
 
@@ -73,8 +75,27 @@ def test_one_part_composition_is_bitwise_the_single_cartridge():
     assert torch.equal(single, composed)
 
 
-def test_left_padded_batch_equals_each_row_alone():
-    lm = tiny_llama(torch.float64)
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_sliding_window_cuts_through_the_cartridge_like_a_real_prefix(family, monkeypatch):
+    """Sliding layers see only the last WINDOW positions: the first real tokens see the
+    cartridge's last rows, later ones none, exactly as behind a real prefix."""
+    lm = TINY[family]()
+    ids = random_ids(P + S, seed=21)
+    rows = capture_rows(lm.model, ids[:P])
+    with torch.no_grad():
+        behind = forward_behind(lm.model, rows, ids[P:].view(1, -1), logits=True)[0]
+        real = real_logits(lm, ids)[P:]
+        assert (behind - real).abs().max().item() <= 1e-4
+        if family in SLIDING:
+            assert WINDOW < P  # the window really cuts through the rows
+            monkeypatch.setattr(lm.model.config, "sliding_window", None)
+            unwindowed = forward_behind(lm.model, rows, ids[P:].view(1, -1), logits=True)[0]
+            assert (unwindowed - real).abs().max().item() > 1e-3  # so the window mattered
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_left_padded_batch_equals_each_row_alone(family):
+    lm = TINY[family](torch.float64)
     cart = Cartridge.from_rows(capture_rows(lm.model, random_ids(P, seed=4)))
     seqs = [random_ids(n, seed=10 + n) for n in (5, 9, 7)]
     width = max(len(s) for s in seqs)
@@ -90,24 +111,50 @@ def test_left_padded_batch_equals_each_row_alone():
             assert torch.allclose(batch[i, width - len(s) :], alone, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_packed_segments_equal_each_sequence_alone(family):
+    """Training packs sequences into one row; each segment restarts at position p."""
+    lm = TINY[family](torch.float64)
+    rows = capture_rows(lm.model, random_ids(P, seed=15))
+    seqs = [random_ids(n, seed=30 + n) for n in (4, 8, 6)]
+    ids = torch.cat(seqs).view(1, -1)
+    segments = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)]).view(1, -1)
+    with torch.no_grad():
+        packed = forward_behind(lm.model, rows, ids, segment_ids=segments, logits=True)[0]
+        start = 0
+        for s in seqs:
+            alone = forward_behind(lm.model, rows, s.view(1, -1), logits=True)[0]
+            assert torch.allclose(packed[start : start + len(s)], alone, atol=1e-10, rtol=0)
+            start += len(s)
+
+
 @pytest.fixture
 def exact_norms(monkeypatch):
     """HF RMSNorms compute in float32 even for float64 models; finite differences need
     the whole forward in float64, so the norms run in the input dtype here."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.phi3.modeling_phi3 import Phi3RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     def forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    for cls in (LlamaRMSNorm, Qwen3RMSNorm):
+    def gemma_forward(self, x):  # Gemma scales by (1 + w)
+        return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    for cls in (LlamaRMSNorm, Qwen3RMSNorm, MistralRMSNorm, Phi3RMSNorm):
         monkeypatch.setattr(cls, "forward", forward)
+    monkeypatch.setattr(Gemma3RMSNorm, "forward", gemma_forward)
 
 
-def test_gradcheck_attention_into_prefix_rows(exact_norms):
-    """Finite differences through the attention (kv_seq > q_seq, GQA) into the rows."""
-    lm = tiny_llama(torch.float64, layers=1)
-    cart = Cartridge.from_rows(capture_rows(lm.model, random_ids(4, seed=5)), frozen=1)
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_gradcheck_attention_into_prefix_rows(family, exact_norms):
+    """Finite differences through the attention (kv_seq > q_seq, GQA or one KV head) into
+    the rows; for sliding families the window cuts through the 7 rows."""
+    lm = TINY[family](torch.float64, layers=1)
+    cart = Cartridge.from_rows(capture_rows(lm.model, random_ids(7, seed=5)), frozen=1)
     ids = random_ids(3, seed=6).view(1, -1)
     weight = torch.randn(1, 3, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
 
@@ -116,6 +163,19 @@ def test_gradcheck_attention_into_prefix_rows(exact_norms):
         return (forward_behind(lm.model, rows, ids) * weight).sum()
 
     assert torch.autograd.gradcheck(f, (cart.train_keys[0], cart.train_values[0]), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_rows_outside_every_window_get_no_gradient(family):
+    """With only sliding layers, rows no query's window reaches get exactly zero gradient."""
+    lm = TINY[family](torch.float64, layers=1)
+    cart = Cartridge.from_rows(capture_rows(lm.model, random_ids(P, seed=16)), frozen=1)
+    n = 3  # the earliest query (position P) sees keys P - WINDOW + 1 .. P; later ones fewer rows
+    forward_behind(lm.model, cart.rows(), random_ids(n, seed=17).view(1, -1)).sum().backward()
+    first_seen = P - WINDOW + 1
+    grad = cart.train_keys[0].grad.abs().sum(dim=(0, 2))  # per trainable row (rows 1..P-1)
+    assert torch.all(grad[: first_seen - 1] == 0)
+    assert torch.all(grad[first_seen - 1 :] > 0)
 
 
 def make_targets(rows: list[int], positions: list[int], k: int = 4, seed: int = 0) -> Targets:
@@ -128,8 +188,9 @@ def make_targets(rows: list[int], positions: list[int], k: int = 4, seed: int = 
     return Targets(torch.tensor(rows), torch.tensor(positions), ids, logprobs)
 
 
-def test_gradcheck_through_loss_with_duplicate_positions(exact_norms):
-    lm = tiny_llama(torch.float64, layers=1)
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_gradcheck_through_loss_with_duplicate_positions(family, exact_norms):
+    lm = TINY[family](torch.float64, layers=1)
     cart = Cartridge.from_rows(capture_rows(lm.model, random_ids(4, seed=7)), frozen=1)
     ids = random_ids(5, seed=8).view(1, -1)
     targets = make_targets([0, 0, 0, 0], [2, 4, 2, 3])

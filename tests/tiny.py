@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -24,19 +30,80 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# Gemma 3's template (google/gemma-3-*-it, tokenizer_config.json): no system role; a
+# system message is folded into the first user turn, followed by a blank line.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
 VOCAB = 260
+# Shorter than the prefixes the tests use, so sliding-window layers see only part of a cartridge.
+WINDOW = 5
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
+def _byte_tokenizer() -> Tokenizer:
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Bytes plus ChatML markers, with SmolLM2's default-system injection."""
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+        tokenizer_object=_byte_tokenizer(), bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
     )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def gemma_tokenizer() -> PreTrainedTokenizerFast:
+    """Bytes plus Gemma's turn markers (ids 256..259), with Gemma 3's chat template."""
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=_byte_tokenizer(), bos_token="<bos>", eos_token="<eos>", pad_token="<eos>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    fast.chat_template = GEMMA3_TEMPLATE
     return fast
 
 
@@ -62,4 +129,54 @@ def tiny_qwen3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 
     return wrap(model, tiny_tokenizer(), "tiny-qwen3")
 
 
-TINY = {"llama": tiny_llama, "qwen3": tiny_qwen3}
+def tiny_gemma3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """Gemma 3's text stack: sliding and global layers (different RoPE bases), one KV head,
+    q/k-norm, scaled embeddings, (1 + w) norms and final logit soft-capping."""
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=WINDOW, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+        max_position_embeddings=2048, final_logit_softcapping=30.0, tie_word_embeddings=True,
+        pad_token_id=257, eos_token_id=257, bos_token_id=256,
+    )
+    model = Gemma3ForCausalLM(cfg).to(dtype)
+    _perturb_norms(model, seed)
+    return wrap(model, gemma_tokenizer(), "tiny-gemma3")
+
+
+def tiny_mistral(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """Mistral: every layer slides over the last `WINDOW` positions."""
+    torch.manual_seed(seed)
+    cfg = MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
+        sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=257, eos_token_id=257,
+    )
+    model = MistralForCausalLM(cfg).to(dtype)
+    return wrap(model, tiny_tokenizer(), "tiny-mistral")
+
+
+def tiny_phi3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
+    """Phi-3: fused qkv and gate/up projections, every layer sliding over `WINDOW` positions."""
+    torch.manual_seed(seed)
+    cfg = Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, original_max_position_embeddings=2048,
+        sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False,
+        pad_token_id=257, eos_token_id=257, bos_token_id=256,
+    )
+    model = Phi3ForCausalLM(cfg).to(dtype)
+    return wrap(model, tiny_tokenizer(), "tiny-phi3")
+
+
+def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
+    """Gemma initializes its (1 + w) norm weights at zero; random ones make q/k-norm matter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.5 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
+
+
+TINY = {"llama": tiny_llama, "qwen3": tiny_qwen3, "gemma3": tiny_gemma3, "mistral": tiny_mistral, "phi3": tiny_phi3}
