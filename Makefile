@@ -16,7 +16,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve clean
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline clean
 
 setup: $(STAMP)
 
@@ -107,6 +107,13 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) models artifacts
+
+# Self-study throughput, pipeline vs a plain transformers reference, on one chunk plan
+# (CORPUS: a 2,500-3,000-token document; DTYPE: the pipeline's dtype).
+PIPELINE_CORPUS ?= docs/eval/raft.md
+DTYPE ?= float32
+bench-pipeline: setup
+	$(BIN)/python -m bench.bench_pipeline --corpus $(if $(filter command line,$(origin CORPUS)),$(CORPUS),$(PIPELINE_CORPUS)) --dtype $(DTYPE) --json
 
 bench-train: setup
 	$(BIN)/python -m bench.bench_train --json

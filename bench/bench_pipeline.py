@@ -67,7 +67,8 @@ def hf_generate(model: torch.nn.Module, streams: list[Stream], batch_size: int =
         torch.manual_seed(group[0].seed)
         with torch.no_grad():
             gen = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max(s.max_new for s in group),
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                max_new_tokens=max(s.max_new for s in group),
                 do_sample=sample, temperature=group[0].temperature if sample else None, top_p=None, top_k=None,
                 stopping_criteria=StoppingCriteriaList([_RowStops([set(s.stop_ids) for s in group])]),
                 pad_token_id=0,
@@ -138,17 +139,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the pipeline path's dtype")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda; the reference runs on the same device")
     ap.add_argument("--max-a", type=int, default=None, help="bot B's budget (default: the config's)")
     ap.add_argument("--max-q", type=int, default=None, help="bot A's budget (default: the config's)")
     ap.add_argument("--no-reference", action="store_true", help="time the pipeline path only")
-    ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
     args = ap.parse_args(argv)
-    say = (lambda *_: None) if args.json else print
-    log = (lambda *_: None) if args.json else (lambda line: print(line, flush=True))
+    say = print
+    log = lambda line: print(line, flush=True)  # noqa: E731
 
     torch.set_num_threads(args.threads)
-    lm = load_model(None, "cpu", DTYPES[args.dtype])
-    ref_lm = lm if args.dtype == "float32" else load_model(None, "cpu", torch.float32)
+    lm = load_model(None, args.device, DTYPES[args.dtype])
+    ref_lm = lm if args.dtype == "float32" else load_model(None, args.device, torch.float32)
     with open(args.corpus, encoding="utf-8") as f:
         text = f.read()
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -190,6 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
         "teacher_tokens_per_s": round(ours["teacher_tokens_per_s"], 2),
         "train_tokens_per_s": round(ours["train_tokens_per_s"], 2),
         "dtype": args.dtype,
+        "device": str(lm.device),
         "per_chunk": chunk_cfg.per_chunk,
         "corpus_tokens": len(ids),
         "threads": torch.get_num_threads(),
