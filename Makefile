@@ -38,10 +38,10 @@ model-gemma3: setup
 demo: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128
 	$(BIN)/cartridges train --preset demo $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
+	$(BIN)/cartridges eval --qa docs/eval/builtin.jsonl --cartridge $(DEMO_CARTRIDGE) \
+		$(addprefix --corpus ,$(DEMO_CORPUS)) --no-peers
 	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
 		--question "What does the teacher stage keep for each answer token?" --max-new 64
-	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
-		--question "Where are the artifacts of a run stored?" --max-new 64
 
 cartridge: setup
 	$(BIN)/cartridges train --corpus $(CORPUS) --p $(P) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \

@@ -9,7 +9,7 @@ from cartridges.cartridge import compose_rows
 from cartridges.chat import chat_ids, end_of_turn_ids, without_system
 from cartridges.corpus import corpus_text
 from cartridges.files import check_fits, load_cartridge
-from cartridges.generate import generate
+from cartridges.generate import LOOP_SPAN, generate, loop_start
 from cartridges.models import LoadedModel, load_model
 
 
@@ -20,13 +20,18 @@ def student_prompt(tokenizer, question: str) -> list[int]:
 
 
 def answer(lm: LoadedModel, prompt: list[int], rows, max_new: int) -> tuple[str, float]:
-    """Greedy answer text and time to first token (a one-token generation of the same prompt)."""
+    """Greedy answer text and time to first token (a one-token generation of the same prompt).
+
+    An answer that starts to repeat itself ends where the repetition begins."""
     eot = tuple(end_of_turn_ids(lm.tokenizer))
     start = time.perf_counter()
     generate(lm.model, [Stream(prompt, 1, stop_ids=eot)], batch_size=1, prefix_rows=rows)
     ttft = time.perf_counter() - start
-    out = generate(lm.model, [Stream(prompt, max_new, stop_ids=eot)], batch_size=1, prefix_rows=rows)[0]
-    text = lm.tokenizer.decode([t for t in out.tokens if t not in eot], skip_special_tokens=True)
+    out = generate(lm.model, [Stream(prompt, max_new, stop_ids=eot, loop_span=LOOP_SPAN)], batch_size=1,
+                   prefix_rows=rows)[0]
+    cut = loop_start(out.tokens, LOOP_SPAN)
+    tokens = out.tokens if cut is None else out.tokens[:cut]
+    text = lm.tokenizer.decode([t for t in tokens if t not in eot], skip_special_tokens=True)
     return text.strip(), ttft
 
 

@@ -20,6 +20,9 @@ from cartridges.batch import Batch, Running, Stream, looped
 from cartridges.prefix import Rows, capture_rows
 from cartridges.sharing import shared_groups
 
+# An answer that repeats a span of this many tokens has started to loop.
+LOOP_SPAN = 10
+
 
 @dataclass
 class Generation:

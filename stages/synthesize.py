@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from cartridges.batch import Stream
 from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
-from cartridges.generate import generate, loop_start
+from cartridges.generate import LOOP_SPAN, generate, loop_start
 from cartridges.models import LoadedModel
 from cartridges.seeds import (
     SEEDS,
@@ -48,10 +48,6 @@ def question_stop_ids(tokenizer) -> tuple[int, ...]:
         cached = tuple(sorted(i for t, i in vocab.items() if "?" in tokenizer.convert_tokens_to_string([t])))
         tokenizer._question_stop_ids = cached
     return cached
-
-
-# A bot B answer that repeats a span of this many tokens has started to loop.
-LOOP_SPAN = 10
 
 
 def chunk_context(chunk: dict, doc_names: dict[int, str], multi: bool, tokenizer) -> str:

@@ -34,7 +34,7 @@ def _bot_a_stops(monkeypatch, config) -> list[tuple[int, ...]]:
 
     seen: list[tuple[int, ...]] = []
 
-    def fake_generate(model, streams, batch_size, progress=None):
+    def fake_generate(model, streams, batch_size, progress=None, share_min=0):
         if not seen:  # the first call is bot A's
             seen.extend(tuple(s.stop_ids) for s in streams)
         return [Generation(tokens=[], finished="stop") for _ in streams]
