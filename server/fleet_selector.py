@@ -31,6 +31,7 @@ from cartridges.errors import CartridgeError
 from cartridges.fleet.api import Fleet
 from cartridges.models import LoadedModel
 from cartridges.prefix import Rows, prefix_length
+from cartridges.sharing import common_length
 from server.errors import bad_request, internal
 from server.selector import Selection, render_prompt
 
@@ -172,7 +173,7 @@ class FleetSelector:
             names = self._choose(state.fleet, conv, users)
             cached = 0
             if conv is not None and conv.kv is not None and names == conv.names:
-                cached = min(common_prefix(full, conv.ids), len(full) - 1)  # at least one token to prefill
+                cached = min(common_length(full, conv.ids), len(full) - 1)  # at least one token to prefill
             if cached > 0:
                 assert conv is not None
                 rows, prompt = conv.reuse(cached), full[cached:]
@@ -248,16 +249,6 @@ class FleetSelector:
                 "conversations": conversations, "conversation_rows": rows,
                 "max_conversations": self.max_conversations, "max_conversation_rows": self.max_conversation_rows,
                 "switches": self.switches}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def switches(ranked: list[tuple[str, float]], selected: tuple[str, ...], margin: float) -> bool:

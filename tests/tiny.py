@@ -87,87 +87,67 @@ def _byte_tokenizer() -> Tokenizer:
     return tok
 
 
+def _chat_tokenizer(bos: str, eos: str, markers: list[str], template: str) -> PreTrainedTokenizerFast:
+    fast = PreTrainedTokenizerFast(tokenizer_object=_byte_tokenizer(), bos_token=bos, eos_token=eos, pad_token=eos)
+    fast.add_special_tokens({"additional_special_tokens": markers})
+    fast.chat_template = template
+    return fast
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Bytes plus ChatML markers, with SmolLM2's default-system injection."""
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=_byte_tokenizer(), bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return _chat_tokenizer("<|im_start|>", "<|im_end|>", ["<|im_start|>", "<|im_end|>"], CHAT_TEMPLATE)
 
 
 def gemma_tokenizer() -> PreTrainedTokenizerFast:
     """Bytes plus Gemma's turn markers (ids 256..259), with Gemma 3's chat template."""
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=_byte_tokenizer(), bos_token="<bos>", eos_token="<eos>", pad_token="<eos>"
-    )
-    fast.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
-    fast.chat_template = GEMMA3_TEMPLATE
-    return fast
+    return _chat_tokenizer("<bos>", "<eos>", ["<start_of_turn>", "<end_of_turn>"], GEMMA3_TEMPLATE)
+
+
+# What every tiny model shares; each family adds or overrides its own fields.
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=257,
+            eos_token_id=257)
+
+
+def _tiny(config_cls, model_cls, name: str, dtype: torch.dtype, layers: int, seed: int, tokenizer=None,
+          **fields) -> LoadedModel:
+    torch.manual_seed(seed)
+    kwargs = {k: v for k, v in {**BASE, **fields}.items() if v is not None}  # None: the family's own default
+    model = model_cls(config_cls(num_hidden_layers=layers, **kwargs)).to(dtype)
+    return wrap(model, tokenizer or tiny_tokenizer(), name)
 
 
 def tiny_llama(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=257, eos_token_id=257,
-    )
-    model = LlamaForCausalLM(cfg).to(dtype)
-    return wrap(model, tiny_tokenizer(), "tiny-llama")
+    return _tiny(LlamaConfig, LlamaForCausalLM, "tiny-llama", dtype, layers, seed, head_dim=8)
 
 
 def tiny_qwen3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=True, pad_token_id=257, eos_token_id=257,
-    )
-    model = Qwen3ForCausalLM(cfg).to(dtype)
-    return wrap(model, tiny_tokenizer(), "tiny-qwen3")
+    return _tiny(Qwen3Config, Qwen3ForCausalLM, "tiny-qwen3", dtype, layers, seed, head_dim=8,
+                 tie_word_embeddings=True)
 
 
 def tiny_gemma3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
     """Gemma 3's text stack: sliding and global layers (different RoPE bases), one KV head,
     q/k-norm, scaled embeddings, (1 + w) norms and final logit soft-capping."""
-    torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=WINDOW, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
-        max_position_embeddings=2048, final_logit_softcapping=30.0, tie_word_embeddings=True,
-        pad_token_id=257, eos_token_id=257, bos_token_id=256,
-    )
-    model = Gemma3ForCausalLM(cfg).to(dtype)
-    _perturb_norms(model, seed)
-    return wrap(model, gemma_tokenizer(), "tiny-gemma3")
+    lm = _tiny(Gemma3TextConfig, Gemma3ForCausalLM, "tiny-gemma3", dtype, layers, seed, gemma_tokenizer(),
+               num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+               sliding_window=WINDOW, layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+               final_logit_softcapping=30.0, tie_word_embeddings=True, bos_token_id=256, rope_theta=None)
+    _perturb_norms(lm.model, seed)
+    return lm
 
 
 def tiny_mistral(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
     """Mistral: every layer slides over the last `WINDOW` positions."""
-    torch.manual_seed(seed)
-    cfg = MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-        sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=257, eos_token_id=257,
-    )
-    model = MistralForCausalLM(cfg).to(dtype)
-    return wrap(model, tiny_tokenizer(), "tiny-mistral")
+    return _tiny(MistralConfig, MistralForCausalLM, "tiny-mistral", dtype, layers, seed, head_dim=8,
+                 sliding_window=WINDOW)
 
 
 def tiny_phi3(dtype: torch.dtype = torch.float32, layers: int = 2, seed: int = 0) -> LoadedModel:
     """Phi-3: fused qkv and gate/up projections, every layer sliding over `WINDOW` positions."""
-    torch.manual_seed(seed)
-    cfg = Phi3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, original_max_position_embeddings=2048,
-        sliding_window=WINDOW, rope_theta=10000.0, tie_word_embeddings=False,
-        pad_token_id=257, eos_token_id=257, bos_token_id=256,
-    )
-    model = Phi3ForCausalLM(cfg).to(dtype)
-    return wrap(model, tiny_tokenizer(), "tiny-phi3")
+    return _tiny(Phi3Config, Phi3ForCausalLM, "tiny-phi3", dtype, layers, seed, sliding_window=WINDOW,
+                 original_max_position_embeddings=2048, bos_token_id=256)
 
 
 def _perturb_norms(model: torch.nn.Module, seed: int) -> None:
