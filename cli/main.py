@@ -16,6 +16,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
+from schemas.configs import HELDOUT_REGIONS
 
 
 @command("equiv")
@@ -58,6 +59,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--chunk-min", "chunks", "chunk_min", int),
     ("--chunk-max", "chunks", "chunk_max", int),
     ("--per-chunk", "chunks", "per_chunk", int),
+    ("--heldout-region", "chunks", "heldout_region", str),
     ("--max-q", "synth", "max_q", int),
     ("--max-a", "synth", "max_a", int),
     ("--temperature-a", "synth", "temperature_a", float),
@@ -73,6 +75,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--save-every", "train", "save_every", int),
     ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS}
 STAGES = ("ingest", "chunks", "synthesize", "teacher", "train")
 
 
@@ -81,7 +84,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
     parser.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
     for flag, section, field, kind in PIPELINE_OPTIONS:
-        parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}")
+        parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}",
+                            choices=OPTION_CHOICES.get(flag))
     parser.add_argument("--seed", type=int, default=None, help="seed for chunk plan, sampling and order")
     parser.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
     parser.add_argument("--no-stop-at-question", action="store_true",

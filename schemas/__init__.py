@@ -1,6 +1,7 @@
 """Arrow schemas of the artifact tables and the typed stage configs."""
 
 from schemas.configs import (
+    HELDOUT_REGIONS,
     INITS,
     SEED_TYPES,
     ChunkConfig,
@@ -37,6 +38,7 @@ __all__ = [
     "DOCUMENTS",
     "BENCHMARKS",
     "EVALS",
+    "HELDOUT_REGIONS",
     "INDEX_CHUNKS",
     "INITS",
     "RUNS",

@@ -24,6 +24,7 @@ from stages import chunks, ingest, synthesize, teacher, train
 from stages.fanout import Fanout
 from stages.report import markdown_summary
 from stages.run_report import write_run_report
+from stages.teacher import usable
 from storage import Store
 from storage.atomic import atomic_path
 
@@ -120,15 +121,23 @@ def export(source: Path, target: Path) -> Path:
 
 
 def summarize(store: Store, docs, plan, convs, trained, planned: int, health: HealthConfig) -> dict:
-    """Losses, data quality, coverage and timings of one run."""
+    """Losses, data quality, coverage and timings of one run.
+
+    Coverage counts, for every token of every document, the training spans that hold
+    it, where a span counts when at least one of its conversations is used in training.
+    """
     result = train.summary_of(store, trained)
-    documents = store.table(docs).to_pylist()
-    chunk_rows = store.table(plan).select(["chunk_id", "tokens", "split"]).to_pylist()
-    conv_rows = store.table(convs).select(["seed_type", "split", "a_ok", "b_ok", "a_reason", "b_reason"]).to_pylist()
+    documents = store.table(docs).select(["doc_id", "tokens"]).to_pylist()
+    chunk_rows = store.table(plan).select(["chunk_id", "doc_id", "start", "end", "split"]).to_pylist()
+    conv_rows = store.table(convs).select(["chunk_id", "seed_type", "split", "a_ok", "b_ok", "a_reason", "b_reason",
+                                           "teacher_ids", "answer_start"]).to_pylist()
     corpus_tokens = sum(d["tokens"] for d in documents)
-    train_chunks = [c for c in chunk_rows if c["split"] == "train"]
     used = result["train_conversations"]
-    mean_chunk = sum(c["tokens"] for c in train_chunks) / max(1, len(train_chunks))
+    filtered = bool(convs.config.get("filter", True))
+    trained_chunks = {c["chunk_id"] for c in conv_rows if c["split"] == "train" and usable(c, filtered)}
+    coverage_min, coverage_mean = chunks.train_coverage(
+        [(d["doc_id"], d["tokens"]) for d in documents],
+        [c for c in chunk_rows if c["chunk_id"] in trained_chunks], int(plan.config.get("per_chunk", 1)))
     by_seed: dict[str, int] = {}
     for c in conv_rows:
         by_seed[c["seed_type"]] = by_seed.get(c["seed_type"], 0) + 1
@@ -142,7 +151,8 @@ def summarize(store: Store, docs, plan, convs, trained, planned: int, health: He
         "b_degenerate_rate": sum((c["a_ok"] and not c["b_ok"]) for c in conv_rows) / max(1, sum(c["a_ok"] for c in conv_rows)),
         "seed_types": by_seed,
         "corpus_tokens": corpus_tokens,
-        "coverage": used * mean_chunk / max(1, corpus_tokens),
+        "coverage_min": coverage_min,
+        "coverage_mean": coverage_mean,
         "synth_seconds": synth_seconds,
         "s_per_conversation": synth_seconds / max(1, len(conv_rows)),
     }

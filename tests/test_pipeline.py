@@ -37,10 +37,27 @@ def test_pipeline_trains_and_an_unchanged_rerun_skips_every_stage(tmp_path, corp
     assert first["skipped"] == []
     assert first["conversations"] == 8 and first["planned_conversations"] == 10
     assert first["heldout_loss_before"] is not None and first["heldout_loss_after"] is not None
-    assert first["coverage"] > 0 and (tmp_path / "out.safetensors").is_file()
+    assert (tmp_path / "out.safetensors").is_file()
+    assert (first["coverage_min"], first["coverage_mean"]) == _coverage_counted(store, per_chunk=4)
     again = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
     assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "teacher", "train"])
     assert again["heldout_loss_after"] == first["heldout_loss_after"]
+
+
+def _coverage_counted(store: Store, per_chunk: int) -> tuple[int, float]:
+    """Per token, the training spans with a conversation that has teacher targets, counted directly."""
+    docs = store.table(store.latest("ingest")).to_pylist()
+    chunks = {c["chunk_id"]: c for c in store.table(store.latest("chunks")).to_pylist()}
+    trained = set(store.table(store.latest("teacher")).column("conv_id").to_pylist())
+    convs = store.table(store.latest("synthesize")).to_pylist()
+    spans = {c["chunk_id"] // per_chunk: chunks[c["chunk_id"]] for c in convs
+             if c["split"] == "train" and c["conv_id"] in trained}
+    depth = {d["doc_id"]: [0] * d["tokens"] for d in docs}
+    for span in spans.values():
+        for t in range(span["start"], span["end"]):
+            depth[span["doc_id"]][t] += 1
+    flat = [x for d in depth.values() for x in d]
+    return min(flat), pytest.approx(sum(flat) / len(flat))
 
 
 def test_changing_chunk_max_reruns_chunks_and_downstream_but_reuses_ingest(tmp_path, corpus):
