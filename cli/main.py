@@ -76,7 +76,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
 OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS}
-STAGES = ("ingest", "chunks", "synthesize", "teacher", "train")
+STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
@@ -158,7 +158,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 @command("stage")
 def cmd_stage(args: argparse.Namespace) -> int:
     from cartridges.models import load_model
-    from stages import chunks, ingest, synthesize, teacher, train
+    from stages import chunks, facts, ingest, synthesize, teacher, train
     from storage import Store
 
     store = Store(args.store)
@@ -178,6 +178,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         res = chunks.run(store, latest("ingest"), lm.tokenizer, cfg.chunks, force=args.force_stage, tokenizer_id=mid)
     elif args.name == "synthesize":
         res = synthesize.run(store, lm, latest("ingest"), latest("chunks"), cfg.synth, model_id=mid, force=args.force_stage)
+    elif args.name == "facts":
+        res = facts.run(store, latest("ingest"), latest("synthesize"), force=args.force_stage)
     elif args.name == "teacher":
         res = teacher.run(store, lm, latest("synthesize"), cfg.teacher, model_id=mid, force=args.force_stage)
     else:

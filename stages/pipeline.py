@@ -1,5 +1,5 @@
-"""The main job as plain function calls: corpus -> documents -> chunks -> conversations ->
-targets -> trained cartridge -> exported file.
+"""The main job as plain function calls: corpus -> documents -> chunks -> conversations
+(-> sentences they are grounded in) -> targets -> trained cartridge -> exported file.
 
 `call` wraps each stage call; the Prefect flow passes a wrapper that runs the stage
 as a task, tests pass none. Every stage is skipped when its fingerprint is already
@@ -20,7 +20,7 @@ from tqdm import tqdm
 from cartridges.health import health_fields
 from cartridges.models import LoadedModel
 from schemas import HealthConfig, PipelineConfig
-from stages import chunks, ingest, synthesize, teacher, train
+from stages import chunks, facts, ingest, synthesize, teacher, train
 from stages.fanout import Fanout
 from stages.report import markdown_summary
 from stages.run_report import write_run_report
@@ -88,6 +88,7 @@ def run_pipeline(
         with _bar(None, "self-study", "tok") as bar:
             convs = call(synthesize.run, store, lm, docs, plan, config.synth, model_id=model_id,
                          force="synthesize" in force, run_id=run_id, progress=bar.update, fanout=fanout)
+        grounding = call(facts.run, store, docs, convs, force="facts" in force, run_id=run_id)
         with _bar(None, "teacher", "conv") as bar:
             targets = call(teacher.run, store, lm, convs, config.teacher, model_id=model_id,
                            force="teacher" in force, run_id=run_id, progress=bar.update, fanout=fanout)
@@ -98,15 +99,17 @@ def run_pipeline(
             trained = call(train.run, store, lm, docs, convs, targets, config.train, model_id=model_id,
                            force="train" in force, run_id=run_id, progress=on_step)
         summary = summarize(store, docs, plan, convs, trained, planned, config.health)
+        summary["fact_coverage"] = facts.fact_coverage(store.table(grounding).select(["conversations"]).to_pylist())
+        arts = (docs, plan, convs, grounding, targets, trained)
         summary.update(run_id=run_id, seconds=time.perf_counter() - started,
-                       skipped=[a.stage for a in (docs, plan, convs, targets, trained) if a.skipped])
+                       skipped=[a.stage for a in arts if a.skipped])
         cartridge = store.dir(trained) / train.CARTRIDGE_FILE
         if save:
             cartridge = export(cartridge, Path(save))
         summary["cartridge"] = str(cartridge)
         summary["stages"] = [{"stage": a.stage, "artifact": a.id, "skipped": a.skipped, "rows": a.rows,
                               "seconds": None if a.skipped else a.seconds}
-                             for a in (docs, plan, convs, targets, trained)]
+                             for a in arts]
         write_run_report(store, summary, markdown_summary, f"cartridge run {run_id}")
         store.catalog.finish_run(run_id, "complete" if summary["health"] == "ok" else "failed", summary)
         return summary

@@ -40,8 +40,20 @@ def test_pipeline_trains_and_an_unchanged_rerun_skips_every_stage(tmp_path, corp
     assert (tmp_path / "out.safetensors").is_file()
     assert (first["coverage_min"], first["coverage_mean"]) == _coverage_counted(store, per_chunk=4)
     again = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
-    assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "teacher", "train"])
+    assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "facts", "teacher", "train"])
     assert again["heldout_loss_after"] == first["heldout_loss_after"]
+
+
+def test_sentences_table_lists_each_sentence_with_its_grounded_conversations(tmp_path, corpus):
+    from cartridges.facts import sentences
+
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    summary = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
+    _, rows = query(store.root, "select doc_id, sentence, text, conversations from sentences order by sentence")
+    assert [r[2] for r in rows] == sentences(CORPUS) and {r[0] for r in rows} == {0}
+    assert [r[1] for r in rows] == list(range(len(rows)))
+    _, uncovered = query(store.root, "select text from sentences where conversations = 0")
+    assert summary["fact_coverage"] == pytest.approx(1 - len(uncovered) / len(rows))
 
 
 def _coverage_counted(store: Store, per_chunk: int) -> tuple[int, float]:
