@@ -3,9 +3,10 @@
 Token coverage says every span of text was in some chunk; it does not say that any
 question asked about what a sentence states. This measures that, by word overlap:
 
-- a document is split into sentences: Markdown blocks (paragraphs, headings, list
-  items, table rows, quotes) and, inside a block, at ``.``, ``!`` or ``?`` followed
-  by white space;
+- a document is split into sentences: Markdown blocks (paragraphs, list items,
+  table rows, quotes; headings are titles, not facts, and are left out) and, inside
+  a block, at ``.``, ``!`` or ``?`` followed by white space (a list item's marker,
+  such as ``1.``, stays with its first sentence);
 - a sentence's content words are its distinct lowercased words (runs of letters
   and digits) that are numbers or at least two characters long and not stop words;
 - a sentence is grounded in a conversation (its question and answer together,
@@ -39,6 +40,7 @@ who whom whose why will with within without would yes yet you your yours yoursel
 _WORD = re.compile(r"[^\W_]+")
 _BLOCK_START = re.compile(r"^(#{1,6}\s|[-*+]\s|\d+[.)]\s|\||>)")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+_MARKER = re.compile(r"^(\d+[.)]|[-*+])\s+")
 
 
 def content_words(text: str) -> frozenset[str]:
@@ -63,9 +65,18 @@ def _blocks(text: str) -> list[str]:
     return [" ".join(b) for b in blocks]
 
 
+def _split(block: str) -> list[str]:
+    """A block's sentences, its list marker (if any) kept on the first."""
+    marker = _MARKER.match(block)
+    head = marker.group(0) if marker else ""
+    parts = _SENTENCE_END.split(block[len(head):])
+    return [head + parts[0], *parts[1:]]
+
+
 def sentences(text: str) -> list[str]:
-    """The document's sentences in order, each with at least one content word."""
-    return [s for block in _blocks(text) for s in _SENTENCE_END.split(block) if content_words(s)]
+    """The document's sentences in order (headings left out), each with at least one content word."""
+    return [s for block in _blocks(text) if not block.startswith("#")
+            for s in _split(block) if content_words(s)]
 
 
 def needed(words: int) -> int:
