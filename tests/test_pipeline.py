@@ -145,8 +145,10 @@ def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpu
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert code == 0
-    for key in ("heldout_loss_before", "heldout_loss_after", "conversations", "s_per_conversation", "cartridge"):
+    for key in ("heldout_loss_before", "heldout_loss_after", "conversations", "s_per_conversation", "cartridge",
+                "coverage_min", "coverage_mean", "fact_coverage"):
         assert key in summary
+    assert f"coverage per token: min {summary['coverage_min']}, mean {summary['coverage_mean']:.2f}" in "\n".join(out)
     columns, rows = query(store, "select count(*) as n, count(distinct conv_id) as d from conversations")
     assert rows[0] == (10, 10)
     code = main(["sql", "--store", str(store), "select seed_type, count(*) from conversations group by 1", "--json"])
