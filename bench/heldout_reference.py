@@ -1,13 +1,17 @@
 """What a trained cartridge's held-out drop can be read against.
 
-Held-out chunks come from each document's reserved tail, text no training chunk
-covers, so a cartridge can lower the held-out loss only by what carries over from
-the rest of the corpus. This scores a store's held-out conversations behind three
-reference prefixes and beside the trained cartridge:
+By default (``heldout_region="sample"``) held-out chunks are separately seeded
+samples over the same documents the training chunks tile, so the held-out loss
+measures how well the cartridge stored the corpus. With ``heldout_region="tail"``
+they come from each document's reserved tail, text no training chunk covers, and a
+cartridge can lower the held-out loss only by what carries over from the rest of
+the corpus. This scores a store's held-out conversations behind three reference
+prefixes and beside the trained cartridge:
 
 - ``init``: the corpus-init cartridge of the run's p rows (the run's "before");
-- ``training_region``: every document up to its reserved tail, in context, i.e. a
-  cartridge that stored the training text perfectly;
+- ``training_region``: the text training chunks may cover, in context, i.e. a
+  cartridge that stored the training text perfectly (every document up to its
+  reserved tail with "tail"; the whole corpus with "sample");
 - ``whole_corpus``: the whole corpus in context, held-out text included (ICL).
 
 Run: `python -m bench.heldout_reference --store DIR [--json]` after a training run.
@@ -31,7 +35,7 @@ from storage import Store, StoreError
 
 
 def training_region(docs: list[dict], config: ChunkConfig, tokenizer) -> str:
-    """The corpus as training chunks may cover it: each document cut before its reserved tail."""
+    """The corpus as training chunks may cover it: each document cut before its reserved tail, if any."""
     multi = len(docs) > 1
     parts = []
     for d in docs:
@@ -65,7 +69,9 @@ def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> di
     if not heldout:
         raise StoreError(f"{store.root}: the run has no held-out conversations (heldout=0?)")
     fields = set(ChunkConfig.__dataclass_fields__)
-    chunk_cfg = ChunkConfig.from_dict({k: v for k, v in arts["chunks"].config.items() if k in fields})
+    # Chunk plans recorded before heldout_region existed all reserved tails.
+    chunk_cfg = ChunkConfig.from_dict({"heldout_region": "tail",
+                                       **{k: v for k, v in arts["chunks"].config.items() if k in fields}})
     trained = summary_of(store, arts["train"])
     text = corpus_of(docs)
     losses = {

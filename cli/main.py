@@ -16,6 +16,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
+from schemas.configs import HELDOUT_REGIONS
 
 
 @command("equiv")
@@ -58,6 +59,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--chunk-min", "chunks", "chunk_min", int),
     ("--chunk-max", "chunks", "chunk_max", int),
     ("--per-chunk", "chunks", "per_chunk", int),
+    ("--heldout-region", "chunks", "heldout_region", str),
     ("--max-q", "synth", "max_q", int),
     ("--max-a", "synth", "max_a", int),
     ("--temperature-a", "synth", "temperature_a", float),
@@ -73,7 +75,8 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--save-every", "train", "save_every", int),
     ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
-STAGES = ("ingest", "chunks", "synthesize", "teacher", "train")
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS}
+STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +84,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
     parser.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
     for flag, section, field, kind in PIPELINE_OPTIONS:
-        parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}")
+        parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}",
+                            choices=OPTION_CHOICES.get(flag))
     parser.add_argument("--seed", type=int, default=None, help="seed for chunk plan, sampling and order")
     parser.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
     parser.add_argument("--no-stop-at-question", action="store_true",
@@ -154,7 +158,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 @command("stage")
 def cmd_stage(args: argparse.Namespace) -> int:
     from cartridges.models import load_model
-    from stages import chunks, ingest, synthesize, teacher, train
+    from stages import chunks, facts, ingest, synthesize, teacher, train
     from storage import Store
 
     store = Store(args.store)
@@ -174,6 +178,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         res = chunks.run(store, latest("ingest"), lm.tokenizer, cfg.chunks, force=args.force_stage, tokenizer_id=mid)
     elif args.name == "synthesize":
         res = synthesize.run(store, lm, latest("ingest"), latest("chunks"), cfg.synth, model_id=mid, force=args.force_stage)
+    elif args.name == "facts":
+        res = facts.run(store, latest("ingest"), latest("synthesize"), force=args.force_stage)
     elif args.name == "teacher":
         res = teacher.run(store, lm, latest("synthesize"), cfg.teacher, model_id=mid, force=args.force_stage)
     else:

@@ -1,6 +1,7 @@
 """Arrow schemas of the artifact tables and the typed stage configs."""
 
 from schemas.configs import (
+    HELDOUT_REGIONS,
     INITS,
     SEED_TYPES,
     ChunkConfig,
@@ -22,6 +23,7 @@ from schemas.tables import (
     INDEX_CHUNKS,
     RUNS,
     SCHEMA_VERSION_KEY,
+    SENTENCES,
     SPLITS,
     TABLES,
     TARGETS,
@@ -37,10 +39,12 @@ __all__ = [
     "DOCUMENTS",
     "BENCHMARKS",
     "EVALS",
+    "HELDOUT_REGIONS",
     "INDEX_CHUNKS",
     "INITS",
     "RUNS",
     "SCHEMA_VERSION_KEY",
+    "SENTENCES",
     "SEED_TYPES",
     "SPLITS",
     "TABLES",

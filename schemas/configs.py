@@ -15,6 +15,7 @@ SEED_TYPES: tuple[str, ...] = (
     "structuring", "summarization", "question", "use_case", "creative", "mechanism", "verbatim",
 )
 INITS: tuple[str, ...] = ("corpus", "random")
+HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
 
 
 class ConfigError(ValueError):
@@ -142,8 +143,13 @@ class ChunkConfig(_Config):
     seed: int = 7
     seed_types: tuple[str, ...] = SEED_TYPES
     per_chunk: int = 4  # conversations (distinct seed types) per sampled span, prefilled once
+    # "sample": held-out spans drawn anywhere, no text withheld from training; "tail": a reserved
+    # tail of each document is held out (a diagnostic of transfer to unseen text)
+    heldout_region: str = "sample"
 
     def validate(self) -> None:
+        if self.heldout_region not in HELDOUT_REGIONS:
+            raise _bad(self, "heldout_region", f"must be one of {list(HELDOUT_REGIONS)}")
         if self.conversations < 1:
             raise _bad(self, "conversations", "must be >= 1")
         if self.per_chunk < 1:

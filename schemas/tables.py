@@ -78,6 +78,11 @@ INDEX_CHUNKS = _schema("index_chunks", 1, [
     _f("start", _I32), _f("end", _I32), _f("text", _BIG),
 ])
 
+SENTENCES = _schema("sentences", 1, [
+    _f("doc_id", _I32), _f("sentence", _I32), _f("text", _BIG), _f("words", _I32),
+    _f("conversations", _I32),
+])
+
 RUNS = _schema("runs", 1, [
     _f("run_id", _STR), _f("flow", _STR), _f("started_at", pa.timestamp("us", tz="UTC")),
     _f("finished_at", pa.timestamp("us", tz="UTC"), nullable=True),
@@ -87,7 +92,7 @@ RUNS = _schema("runs", 1, [
 TABLES: dict[str, pa.Schema] = {
     s.metadata[b"table"].decode(): s
     for s in (DOCUMENTS, CHUNKS, CONVERSATIONS, TARGETS, TRAIN_STEPS, EVALS, BENCHMARKS, INDEX_CHUNKS,
-              RUNS)
+              SENTENCES, RUNS)
 }
 
 # Columns whose values are a closed set; checked so a typo never reaches Parquet.

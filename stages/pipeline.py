@@ -1,5 +1,5 @@
-"""The main job as plain function calls: corpus -> documents -> chunks -> conversations ->
-targets -> trained cartridge -> exported file.
+"""The main job as plain function calls: corpus -> documents -> chunks -> conversations
+(-> sentences they are grounded in) -> targets -> trained cartridge -> exported file.
 
 `call` wraps each stage call; the Prefect flow passes a wrapper that runs the stage
 as a task, tests pass none. Every stage is skipped when its fingerprint is already
@@ -20,10 +20,11 @@ from tqdm import tqdm
 from cartridges.health import health_fields
 from cartridges.models import LoadedModel
 from schemas import HealthConfig, PipelineConfig
-from stages import chunks, ingest, synthesize, teacher, train
+from stages import chunks, facts, ingest, synthesize, teacher, train
 from stages.fanout import Fanout
 from stages.report import markdown_summary
 from stages.run_report import write_run_report
+from stages.teacher import usable
 from storage import Store
 from storage.atomic import atomic_path
 
@@ -87,6 +88,7 @@ def run_pipeline(
         with _bar(None, "self-study", "tok") as bar:
             convs = call(synthesize.run, store, lm, docs, plan, config.synth, model_id=model_id,
                          force="synthesize" in force, run_id=run_id, progress=bar.update, fanout=fanout)
+        grounding = call(facts.run, store, docs, convs, force="facts" in force, run_id=run_id)
         with _bar(None, "teacher", "conv") as bar:
             targets = call(teacher.run, store, lm, convs, config.teacher, model_id=model_id,
                            force="teacher" in force, run_id=run_id, progress=bar.update, fanout=fanout)
@@ -97,15 +99,17 @@ def run_pipeline(
             trained = call(train.run, store, lm, docs, convs, targets, config.train, model_id=model_id,
                            force="train" in force, run_id=run_id, progress=on_step)
         summary = summarize(store, docs, plan, convs, trained, planned, config.health)
+        summary["fact_coverage"] = facts.fact_coverage(store.table(grounding).select(["conversations"]).to_pylist())
+        arts = (docs, plan, convs, grounding, targets, trained)
         summary.update(run_id=run_id, seconds=time.perf_counter() - started,
-                       skipped=[a.stage for a in (docs, plan, convs, targets, trained) if a.skipped])
+                       skipped=[a.stage for a in arts if a.skipped])
         cartridge = store.dir(trained) / train.CARTRIDGE_FILE
         if save:
             cartridge = export(cartridge, Path(save))
         summary["cartridge"] = str(cartridge)
         summary["stages"] = [{"stage": a.stage, "artifact": a.id, "skipped": a.skipped, "rows": a.rows,
                               "seconds": None if a.skipped else a.seconds}
-                             for a in (docs, plan, convs, targets, trained)]
+                             for a in arts]
         write_run_report(store, summary, markdown_summary, f"cartridge run {run_id}")
         store.catalog.finish_run(run_id, "complete" if summary["health"] == "ok" else "failed", summary)
         return summary
@@ -120,15 +124,23 @@ def export(source: Path, target: Path) -> Path:
 
 
 def summarize(store: Store, docs, plan, convs, trained, planned: int, health: HealthConfig) -> dict:
-    """Losses, data quality, coverage and timings of one run."""
+    """Losses, data quality, coverage and timings of one run.
+
+    Coverage counts, for every token of every document, the training spans that hold
+    it, where a span counts when at least one of its conversations is used in training.
+    """
     result = train.summary_of(store, trained)
-    documents = store.table(docs).to_pylist()
-    chunk_rows = store.table(plan).select(["chunk_id", "tokens", "split"]).to_pylist()
-    conv_rows = store.table(convs).select(["seed_type", "split", "a_ok", "b_ok", "a_reason", "b_reason"]).to_pylist()
+    documents = store.table(docs).select(["doc_id", "tokens"]).to_pylist()
+    chunk_rows = store.table(plan).select(["chunk_id", "doc_id", "start", "end", "split"]).to_pylist()
+    conv_rows = store.table(convs).select(["chunk_id", "seed_type", "split", "a_ok", "b_ok", "a_reason", "b_reason",
+                                           "teacher_ids", "answer_start"]).to_pylist()
     corpus_tokens = sum(d["tokens"] for d in documents)
-    train_chunks = [c for c in chunk_rows if c["split"] == "train"]
     used = result["train_conversations"]
-    mean_chunk = sum(c["tokens"] for c in train_chunks) / max(1, len(train_chunks))
+    filtered = bool(convs.config.get("filter", True))
+    trained_chunks = {c["chunk_id"] for c in conv_rows if c["split"] == "train" and usable(c, filtered)}
+    coverage_min, coverage_mean = chunks.train_coverage(
+        [(d["doc_id"], d["tokens"]) for d in documents],
+        [c for c in chunk_rows if c["chunk_id"] in trained_chunks], int(plan.config.get("per_chunk", 1)))
     by_seed: dict[str, int] = {}
     for c in conv_rows:
         by_seed[c["seed_type"]] = by_seed.get(c["seed_type"], 0) + 1
@@ -142,7 +154,8 @@ def summarize(store: Store, docs, plan, convs, trained, planned: int, health: He
         "b_degenerate_rate": sum((c["a_ok"] and not c["b_ok"]) for c in conv_rows) / max(1, sum(c["a_ok"] for c in conv_rows)),
         "seed_types": by_seed,
         "corpus_tokens": corpus_tokens,
-        "coverage": used * mean_chunk / max(1, corpus_tokens),
+        "coverage_min": coverage_min,
+        "coverage_mean": coverage_mean,
         "synth_seconds": synth_seconds,
         "s_per_conversation": synth_seconds / max(1, len(conv_rows)),
     }

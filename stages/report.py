@@ -21,7 +21,9 @@ def summary_lines(s: dict) -> list[str]:
         f"conversations {s['conversations']} used of {s['planned_conversations']} planned "
         f"(bot A ok {s['a_ok_rate']:.0%}, bot B degenerate {s['b_degenerate_rate']:.0%}); "
         f"seed types {s['seed_types']}",
-        f"coverage {s['coverage']:.2f} (conversations x mean chunk tokens / {s['corpus_tokens']} corpus tokens)",
+        f"coverage per token: min {s['coverage_min']}, mean {s['coverage_mean']:.2f} training spans "
+        f"(over {s['corpus_tokens']} corpus tokens); fact coverage {s['fact_coverage']:.0%} of sentences "
+        "(see the sentences table)",
         f"self-study {s['s_per_conversation']:.2f} s/conversation; training {s['steps']} steps, "
         f"{s['supervised_tokens']} supervised tokens in {s['train_seconds']:.1f}s",
         f"skipped unchanged stages: {', '.join(s.get('skipped') or []) or 'none'}",

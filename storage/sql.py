@@ -30,6 +30,7 @@ STAGE_TABLES: dict[str, str] = {
     "eval": "evals",
     "bench": "benchmarks",
     "index": "index_chunks",
+    "facts": "sentences",
 }
 CATALOG_TABLES = ("artifacts", "runs", "meta")
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -18,7 +18,7 @@ def test_training_region_covers_every_training_chunk_and_no_heldout_chunk(tmp_pa
     path = tmp_path / "corpus.md"
     path.write_text(CORPUS)
     lm, store = tiny_llama(), Store(tmp_path / "store")
-    cfg = preset("smoke", {"synth": {"filter": False}})
+    cfg = preset("smoke", {"synth": {"filter": False}, "chunks": {"heldout_region": "tail"}})
     run_pipeline(store, lm, [path], cfg, log=lambda _: None)
 
     docs = store.table(store.latest("ingest")).to_pylist()
@@ -40,4 +40,6 @@ def test_training_region_covers_every_training_chunk_and_no_heldout_chunk(tmp_pa
 def test_training_region_is_the_whole_document_when_nothing_is_reserved():
     lm = tiny_llama()
     docs = [{"name": "a.md", "text": CORPUS}]
-    assert training_region(docs, ChunkConfig(heldout=0), lm.tokenizer) == CORPUS
+    assert training_region(docs, ChunkConfig(heldout=0, heldout_region="tail"), lm.tokenizer) == CORPUS
+    # Sampled held-out chunks withhold nothing: the training region is the whole corpus.
+    assert training_region(docs, ChunkConfig(heldout=16), lm.tokenizer) == CORPUS

@@ -1,17 +1,20 @@
-"""Ingest and chunk planning: content fingerprints, versions, bad input, keyed sampling."""
+"""Ingest and chunk planning: content fingerprints, versions, bad input, keyed sampling, coverage."""
 
 from __future__ import annotations
 
 import hashlib
+import math
+import random
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from cartridges import spans
 from cartridges.errors import CorpusError
 from schemas import SEED_TYPES, ChunkConfig, IngestConfig
 from stages import chunks, ingest
-from stages.chunks import HELDOUT_ID_BASE, heldout_reserve, plan_chunks, plan_spans
+from stages.chunks import HELDOUT_ID_BASE, heldout_reserve, plan_chunks, plan_spans, train_coverage
 from storage import Store
 from tests.tiny import tiny_tokenizer
 
@@ -157,6 +160,7 @@ def _docs_of(lengths: list[int]) -> list[dict]:
 
 
 CFG = ChunkConfig(conversations=40, heldout=6, chunk_min=32, chunk_max=64, seed=3, per_chunk=1)
+TAIL = CFG.replace(heldout_region="tail")
 
 
 def test_plan_is_deterministic_and_seeded():
@@ -196,13 +200,13 @@ def test_rows_are_well_formed():
         assert 0 <= r["rng_seed"] < 2**63
 
 
-def test_heldout_spans_never_overlap_train_spans():
+def test_tail_heldout_spans_never_overlap_train_spans():
     docs = _docs_of([3000, 1200, 60, 20])
-    rows = plan_chunks(docs, CFG.replace(conversations=300, heldout=50))
+    rows = plan_chunks(docs, TAIL.replace(conversations=300, heldout=50))
     train = [r for r in rows if r["split"] == "train"]
     held = [r for r in rows if r["split"] == "heldout"]
     for h in held:
-        assert heldout_reserve(len(docs[h["doc_id"]]["token_ids"]), CFG) > 0
+        assert heldout_reserve(len(docs[h["doc_id"]]["token_ids"]), TAIL) > 0
         for t in train:
             if t["doc_id"] == h["doc_id"]:
                 assert t["end"] <= h["start"] or h["end"] <= t["start"], (t, h)
@@ -237,17 +241,21 @@ def test_one_conversation_per_chunk_is_the_classic_plan():
 
 
 def test_reserved_tail_sizes():
-    assert heldout_reserve(3000, CFG) == 300  # 10% of the document
-    assert heldout_reserve(400, CFG) == 40  # 10%, above chunk_min
-    assert heldout_reserve(100, CFG) == 32  # at least chunk_min
-    assert heldout_reserve(64, CFG) == 32  # exactly 2 * chunk_min: both parts fit
-    assert heldout_reserve(63, CFG) == 0  # too short to spare a tail
-    assert heldout_reserve(3000, CFG.replace(heldout=0)) == 0
+    assert heldout_reserve(3000, TAIL) == 300  # 10% of the document
+    assert heldout_reserve(400, TAIL) == 40  # 10%, above chunk_min
+    assert heldout_reserve(100, TAIL) == 32  # at least chunk_min
+    assert heldout_reserve(64, TAIL) == 32  # exactly 2 * chunk_min: both parts fit
+    assert heldout_reserve(63, TAIL) == 0  # too short to spare a tail
+    assert heldout_reserve(3000, TAIL.replace(heldout=0)) == 0
+    assert heldout_reserve(3000, CFG) == 0  # sampled held-out spans withhold nothing
 
 
-def test_heldout_needs_a_long_enough_document():
+def test_a_reserved_tail_needs_a_long_enough_document():
     with pytest.raises(CorpusError, match=r"too short for a held-out set.*63 tokens.*at least 64"):
-        plan_chunks(_docs_of([63, 20]), CFG)
+        plan_chunks(_docs_of([63, 20]), TAIL)
+    # Sampled held-out spans need no spare text: they may lie anywhere, even in a short document.
+    held = [r for r in plan_chunks(_docs_of([63, 20]), CFG) if r["split"] == "heldout"]
+    assert len(held) == CFG.heldout
     # Without a held-out set a short corpus is fine: a document under chunk_min is one chunk.
     rows = plan_chunks(_docs_of([30, 20]), CFG.replace(heldout=0))
     assert {(r["doc_id"], r["start"], r["end"]) for r in rows} == {(0, 0, 30), (1, 0, 20)}
@@ -270,6 +278,124 @@ def test_documents_drawn_in_proportion_to_tokens():
     assert abs(counts[0] / 2000 - 0.6) < 0.05
     assert abs(counts[1] / 2000 - 0.3) < 0.05
     assert abs(counts[2] / 2000 - 0.1) < 0.03
+
+
+def _plan_before_tiling(lengths: list[tuple[int, int]], config: ChunkConfig) -> list[dict]:
+    """The planner as it was before tiling (uniform random spans, reserved tails), kept as the reference."""
+    lengths = [(int(d), int(n)) for d, n in lengths if n > 0]
+    reserve = {d: spans.heldout_reserve(n, config.chunk_min, config.heldout) for d, n in lengths}
+    total = {d: n for d, n in lengths}
+    rows = []
+    for split, count in (("train", config.conversations), ("heldout", config.heldout)):
+        pool = lengths if split == "train" else [(d, n) for d, n in lengths if reserve[d]]
+        ids = [d for d, _ in pool]
+        weights = [n for _, n in pool]
+        k = config.per_chunk
+        for index in range(count):
+            if index % k == 0:
+                rng = random.Random(spans.keyed_seed(config.seed, split, index // k))
+                doc = rng.choices(ids, weights=weights)[0]
+                if split == "train":
+                    lo, hi = 0, total[doc] - reserve[doc]
+                else:
+                    lo, hi = total[doc] - reserve[doc], total[doc]
+                size = min(rng.randint(config.chunk_min, config.chunk_max), hi - lo)
+                start = lo + rng.randint(0, hi - lo - size)
+                if k == 1:
+                    types = [rng.choice(config.seed_types)]
+                else:
+                    order = rng.sample(list(config.seed_types), len(config.seed_types))
+                    types = [order[i % len(order)] for i in range(k)]
+            rows.append({
+                "chunk_id": index if split == "train" else HELDOUT_ID_BASE + index,
+                "doc_id": doc, "start": start, "end": start + size, "tokens": size,
+                "seed_type": types[index % k], "split": split,
+                "rng_seed": spans.keyed_seed(config.seed, split, index),
+            })
+    return rows
+
+
+@pytest.mark.parametrize("per_chunk", [1, 4])
+def test_tail_region_is_exactly_the_plan_before_tiling(per_chunk):
+    lengths = [(0, 3000), (1, 1200), (2, 60), (3, 20)]
+    cfg = TAIL.replace(conversations=90, heldout=10, per_chunk=per_chunk)
+    assert plan_spans(lengths, cfg) == _plan_before_tiling(lengths, cfg)
+    # Pinned: the first and last rows the planner gave before tiling was introduced.
+    rows = plan_spans(lengths, TAIL)
+    assert [(r["doc_id"], r["start"], r["end"], r["seed_type"]) for r in (rows[0], rows[-1])] == [
+        (0, 573, 626, "use_case"), (1, 1130, 1194, "structuring")]
+
+
+def _depths(lengths: dict[int, int], rows: list[dict], per_chunk: int) -> dict[int, list[int]]:
+    """How many distinct training spans hold each token, counted token by token."""
+    depth = {d: [0] * n for d, n in lengths.items()}
+    seen = set()
+    for r in rows:
+        if r["split"] == "train" and r["chunk_id"] // per_chunk not in seen:
+            seen.add(r["chunk_id"] // per_chunk)
+            for t in range(r["start"], r["end"]):
+                depth[r["doc_id"]][t] += 1
+    return depth
+
+
+@pytest.mark.parametrize("per_chunk", [1, 4])
+def test_every_token_is_in_at_least_as_many_training_spans_as_complete_passes(per_chunk):
+    lengths = {0: 2000, 1: 900, 2: 400, 3: 20, 4: 33}
+    cfg = CFG.replace(per_chunk=per_chunk, heldout=0)
+    # A pass over a document holds at most 1 + ceil((n - 1) / chunk_min) spans.
+    per_pass = sum(1 + math.ceil((n - 1) / cfg.chunk_min) for n in lengths.values())
+    for passes in (1, 2, 5):
+        span_count = passes * per_pass
+        rows = plan_spans(list(lengths.items()), cfg.replace(conversations=span_count * per_chunk))
+        depth = _depths(lengths, rows, per_chunk)
+        lowest = min(min(d) for d in depth.values())
+        assert lowest >= passes
+        mean = sum(sum(d) for d in depth.values()) / sum(lengths.values())
+        assert train_coverage(list(lengths.items()), rows, per_chunk) == (lowest, pytest.approx(mean))
+        sizes = {(r["chunk_id"] // per_chunk): r["tokens"] for r in rows}
+        assert mean == pytest.approx(sum(sizes.values()) / sum(lengths.values()))
+    # Uniform random spans leave tokens uncovered at the same budget (the edges of each document).
+    old = _plan_before_tiling(list(lengths.items()), cfg.replace(conversations=per_pass * per_chunk))
+    assert min(min(d) for d in _depths(lengths, old, per_chunk).values()) == 0
+
+
+def test_tiles_lay_spans_end_to_end_over_the_whole_document():
+    for n, seed in [(1000, 0), (1000, 1), (65, 2), (64, 3), (31, 4), (500, 5)]:
+        tiles = spans.tile(n, 32, 64, random.Random(seed))
+        assert len(tiles) <= 1 + math.ceil((n - 1) / 32)
+        assert tiles[0][0] == 0 and tiles[-1][1] == n
+        for (_, b), (c, _) in zip(tiles, tiles[1:], strict=False):
+            assert c <= b  # no gap between neighbours
+        for a, b in tiles:
+            assert 0 <= a < b <= n and (min(32, n) <= b - a <= 64)
+        interior = tiles[1:-1]
+        assert all(x[1] == y[0] for x, y in zip(interior, interior[1:], strict=False))
+
+
+def test_a_larger_plan_extends_a_smaller_one_across_passes():
+    lengths = [(0, 700), (1, 300)]
+    cfg = CFG.replace(per_chunk=4)
+    small = plan_spans(lengths, cfg.replace(conversations=10))
+    large = plan_spans(lengths, cfg.replace(conversations=400))  # several passes
+    train = [r for r in large if r["split"] == "train"]
+    assert [r for r in small if r["split"] == "train"] == train[:10]
+    assert [r for r in small if r["split"] == "heldout"] == [r for r in large if r["split"] == "heldout"]
+
+
+def test_sampled_heldout_spans_come_from_their_own_keyed_rng_anywhere_in_the_document():
+    lengths = [(0, 3000), (1, 1200)]
+    cfg = CFG.replace(heldout=40)
+    held = [r for r in plan_spans(lengths, cfg) if r["split"] == "heldout"]
+    for j, r in enumerate(held):
+        rng = random.Random(spans.keyed_seed(cfg.seed, "heldout", j))
+        doc = rng.choices([0, 1], weights=[3000, 1200])[0]
+        size = rng.randint(cfg.chunk_min, cfg.chunk_max)
+        start = rng.randint(0, dict(lengths)[doc] - size)
+        assert (r["doc_id"], r["start"], r["end"]) == (doc, start, start + size)
+    assert any(r["end"] <= 0.9 * dict(lengths)[r["doc_id"]] for r in held)  # not confined to a tail
+    # Held-out draws leave the training plan alone.
+    train = [r for r in plan_spans(lengths, cfg) if r["split"] == "train"]
+    assert train == [r for r in plan_spans(lengths, cfg.replace(heldout=0)) if r["split"] == "train"]
 
 
 # ---------------------------------------------------------------- chunks stage
@@ -308,9 +434,10 @@ def test_chunks_follow_a_changed_corpus(store, corpus, tok):
     assert not second.skipped and second.id != first.id
 
 
-def test_chunks_too_short_corpus_leaves_no_artifact(store, tmp_path, tok):
+def test_corpus_too_short_for_a_tail_leaves_no_artifact_but_samples_fine(store, tmp_path, tok):
     (tmp_path / "short.md").write_text("only a few words")
     docs = ingest.run(store, [tmp_path / "short.md"], tok)
     with pytest.raises(CorpusError, match="too short for a held-out set.*512 tokens"):
-        chunks.run(store, docs, tok)
+        chunks.run(store, docs, tok, ChunkConfig(heldout_region="tail"))
     assert store.catalog.artifacts("chunks") == []
+    assert chunks.run(store, docs, tok).rows == ChunkConfig().conversations + ChunkConfig().heldout

@@ -37,10 +37,39 @@ def test_pipeline_trains_and_an_unchanged_rerun_skips_every_stage(tmp_path, corp
     assert first["skipped"] == []
     assert first["conversations"] == 8 and first["planned_conversations"] == 10
     assert first["heldout_loss_before"] is not None and first["heldout_loss_after"] is not None
-    assert first["coverage"] > 0 and (tmp_path / "out.safetensors").is_file()
+    assert (tmp_path / "out.safetensors").is_file()
+    assert (first["coverage_min"], first["coverage_mean"]) == _coverage_counted(store, per_chunk=4)
     again = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
-    assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "teacher", "train"])
+    assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "facts", "teacher", "train"])
     assert again["heldout_loss_after"] == first["heldout_loss_after"]
+
+
+def test_sentences_table_lists_each_sentence_with_its_grounded_conversations(tmp_path, corpus):
+    from cartridges.facts import sentences
+
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    summary = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
+    _, rows = query(store.root, "select doc_id, sentence, text, conversations from sentences order by sentence")
+    assert [r[2] for r in rows] == sentences(CORPUS) and {r[0] for r in rows} == {0}
+    assert [r[1] for r in rows] == list(range(len(rows)))
+    _, uncovered = query(store.root, "select text from sentences where conversations = 0")
+    assert summary["fact_coverage"] == pytest.approx(1 - len(uncovered) / len(rows))
+
+
+def _coverage_counted(store: Store, per_chunk: int) -> tuple[int, float]:
+    """Per token, the training spans with a conversation that has teacher targets, counted directly."""
+    docs = store.table(store.latest("ingest")).to_pylist()
+    chunks = {c["chunk_id"]: c for c in store.table(store.latest("chunks")).to_pylist()}
+    trained = set(store.table(store.latest("teacher")).column("conv_id").to_pylist())
+    convs = store.table(store.latest("synthesize")).to_pylist()
+    spans = {c["chunk_id"] // per_chunk: chunks[c["chunk_id"]] for c in convs
+             if c["split"] == "train" and c["conv_id"] in trained}
+    depth = {d["doc_id"]: [0] * d["tokens"] for d in docs}
+    for span in spans.values():
+        for t in range(span["start"], span["end"]):
+            depth[span["doc_id"]][t] += 1
+    flat = [x for d in depth.values() for x in d]
+    return min(flat), pytest.approx(sum(flat) / len(flat))
 
 
 def test_changing_chunk_max_reruns_chunks_and_downstream_but_reuses_ingest(tmp_path, corpus):
@@ -116,8 +145,10 @@ def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpu
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert code == 0
-    for key in ("heldout_loss_before", "heldout_loss_after", "conversations", "s_per_conversation", "cartridge"):
+    for key in ("heldout_loss_before", "heldout_loss_after", "conversations", "s_per_conversation", "cartridge",
+                "coverage_min", "coverage_mean", "fact_coverage"):
         assert key in summary
+    assert f"coverage per token: min {summary['coverage_min']}, mean {summary['coverage_mean']:.2f}" in "\n".join(out)
     columns, rows = query(store, "select count(*) as n, count(distinct conv_id) as d from conversations")
     assert rows[0] == (10, 10)
     code = main(["sql", "--store", str(store), "select seed_type, count(*) from conversations group by 1", "--json"])

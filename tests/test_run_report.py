@@ -18,8 +18,8 @@ def test_a_rerun_reports_every_stage_skipped_as_unchanged_with_the_loss_curve(tm
     second = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
     one = (tmp_path / "s" / "runs" / first["run_id"] / "summary.md").read_text()
     two = (tmp_path / "s" / "runs" / second["run_id"] / "summary.md").read_text()
-    assert one.count("| ran |") == 5 and "skipped (unchanged)" not in one
-    assert two.count("| skipped (unchanged) |") == 5 and "| ran |" not in two
+    assert one.count("| ran |") == 6 and "skipped (unchanged)" not in one
+    assert two.count("| skipped (unchanged) |") == 6 and "| ran |" not in two
     assert f"Loss curve: `{first['loss_png']}`" in one
     assert (tmp_path / "s" / "runs" / first["run_id"] / "loss.png").read_bytes()[:8] == PNG
     _, rows = query(store.root, "SELECT run_id, summary->>'loss_png' FROM runs ORDER BY started_at")

@@ -122,7 +122,7 @@ def test_from_dict_rejects_unknown_and_nested_bad_values() -> None:
 
 def test_every_table_has_a_version_and_expected_columns() -> None:
     assert set(TABLES) == {"documents", "chunks", "conversations", "targets", "train_steps",
-                           "evals", "benchmarks", "index_chunks", "runs"}
+                           "evals", "benchmarks", "index_chunks", "sentences", "runs"}
     for schema in TABLES.values():
         assert schema_version(schema) == 1
     conv = TABLES["conversations"]
