@@ -315,7 +315,8 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             if skipped:
                 reused.append(arm.name)
             arms[arm.name], by_arm[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes), scored
-            answers += [{"arm": arm.name, "line": s.question.line, "question": s.question.question,
+            answers += [{"arm": arm.name, "line": s.question.line, "doc": s.question.doc,
+                         "region": s.question.region, "question": s.question.question,
                          "correct": s.correct, "correct_gen": s.correct_gen, "reply": s.reply,
                          "nll": s.nll, "gold_nll": s.gold_nll} for s in scored]
         notes += [f"{problem} (skipped)" for problem in problems]

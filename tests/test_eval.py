@@ -259,6 +259,7 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     assert next((tmp_path / "store").rglob("chart.png")).read_bytes()[:4] == b"\x89PNG"
     answers = [json.loads(x) for x in next((tmp_path / "store").rglob("answers.jsonl")).read_text().splitlines()]
     assert len(answers) == 7 * 3 and {a["arm"] for a in answers} == set(result["arms"])
+    assert {a["doc"] for a in answers} == {"doc.md"} and {a["region"] for a in answers} == {None}
     icl_correct = [a["correct"] for a in answers if a["arm"] == "icl" and a["correct"] is not None]
     assert sum(icl_correct) / len(icl_correct) == icl["accuracy"]
     icl_gold = [a["gold_nll"] for a in answers if a["arm"] == "icl" and a["gold_nll"] is not None]
