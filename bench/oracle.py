@@ -84,7 +84,7 @@ def evaluate(lm: LoadedModel, context: list[int], questions: list[Question], car
     """Bare, in-context and each cartridge on `questions`: accuracy and gold NLL with both closures."""
     arms = [Arm("bare", key=lambda q: "", rows=lambda q: []), Arm("icl", key=lambda q: "", context=lambda q: context)]
     arms += [Arm(name, key=lambda q: "", rows=lambda q, c=c: c.rows()) for name, c in carts.items()]
-    scored = {arm.name: score_arm(lm, arm, questions, max_new=1)[0] for arm in arms}
+    scored = {arm.name: score_arm(lm, arm, questions, likelihood_only=True)[0] for arm in arms}
     out = {"questions": len(questions),
            "arms": {name: {k: v for k, v in summarize_arm(lm, name, s, float("nan"), []).items()
                            if k in ("accuracy", "accuracy_ci", "gold_nll", "gold_nll_ci")}

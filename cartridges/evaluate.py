@@ -93,8 +93,12 @@ def _seconds(fn: Callable[[], None]) -> float:
 
 
 def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new: int = 48,
-              batch_size: int = 16) -> tuple[list[Scored], float]:
-    """Per-question scores and the median time to first token of this arm."""
+              batch_size: int = 16, likelihood_only: bool = False) -> tuple[list[Scored], float]:
+    """Per-question scores and the median time to first token of this arm.
+
+    `likelihood_only` skips generated answers and the TTFT measurement (NaN), for
+    callers that need only option log-likelihoods and NLLs.
+    """
     tok = lm.tokenizer
     eot = end_of_turn_ids(tok)
     prompts = [student_prompt(tok, question_text(q)) for q in questions]  # generation: options listed
@@ -125,7 +129,7 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
             else:
                 s.nll = -sums[0] / len(conts[0])
         mc = [i for i in idx if questions[i].multiple_choice]
-        if not mc:
+        if not mc or likelihood_only:
             continue
         if context_rows is not None:
             outs = [_generate_in_context(lm, context_rows, context, prompts[i], max_new, eot) for i in mc]
@@ -139,7 +143,7 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
             s = scored[i]
             s.reply, s.hit_limit = text, limit and len(tok(text, add_special_tokens=False)["input_ids"]) >= max_new - 1
             s.correct_gen = choose_option(text, questions[i].options) == questions[i].answer
-    return scored, _arm_ttft(lm, arm, questions, prompts, eot)
+    return scored, float("nan") if likelihood_only else _arm_ttft(lm, arm, questions, prompts, eot)
 
 
 def _arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts: list[list[int]],

@@ -148,6 +148,9 @@ def test_gold_nll_equals_a_dense_forward_in_context_behind_rows_and_bare(tiny_lm
         summary = summarize_arm(tiny_lm, name, scored, ttft, [])
         assert summary["gold_nll"] == pytest.approx(statistics.mean(expected), abs=1e-4)
         assert summary["gold_nll_ci"] == bootstrap_ci([s.gold_nll for s in scored])
+        quick, no_ttft = score_arm(tiny_lm, arm, questions, likelihood_only=True)
+        assert [(s.correct, s.gold_nll) for s in quick] == [(s.correct, s.gold_nll) for s in scored]
+        assert all(s.correct_gen is None and s.reply == "" for s in quick) and math.isnan(no_ttft)
 
 
 def _constructed(bare: list[float], icl: list[float], cart: list[float], metric: str) -> dict[str, list[Scored]]:
