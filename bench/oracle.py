@@ -112,8 +112,10 @@ def run(lm: LoadedModel, qa: str, doc: str, p: int = 256, epochs: int = 6, lr: f
               "supervised": "correct option" if correct_only else "every option", "examples": len(examples),
               "context_cut": cut, "loss_before": before, "loss_curve": curve,
               "train": evaluate(lm, context, train, {"init": init, "oracle": oracle})}
+    log(_line("trained on", result["train"]))
     if split:
         result["heldout"] = evaluate(lm, context, questions[1::2], {"init": init, "oracle": oracle})
+        log(_line("held out", result["heldout"]))
     return result
 
 
@@ -144,12 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     lm = load_model(args.model, args.device)
-    result = run(lm, args.qa, args.doc, args.p, args.epochs, args.lr, args.batch, args.correct_only, args.split)
+    result = run(lm, args.qa, args.doc, args.p, args.epochs, args.lr, args.batch, args.correct_only, args.split,
+                 log=lambda line: print(line, flush=True))
     print(f"oracle cartridge for {result['doc']}: p={result['p']}, {result['examples']} examples, "
           f"loss {result['loss_before']:.4f} -> {result['loss_curve'][-1]:.4f}")
-    print(_line("trained on", result["train"]))
-    if "heldout" in result:
-        print(_line("held out", result["heldout"]))
     if args.json:
         print(json.dumps(result))
     return 0
