@@ -3,8 +3,9 @@
 An arm gives each question either prefix rows (bare: none; a cartridge; the
 document's full KV; a compressed KV; a fleet selection), answered on the path a
 cartridge is served on, or the document as ordinary context (ICL). Every arm is
-scored the same way: option log-likelihood and generated answers for multiple
-choice, answer NLL for free form, plus KV rows and time to first token.
+scored the same way: option log-likelihood, the correct option's NLL and generated
+answers for multiple choice, answer NLL for free form, plus KV rows and time to
+first token.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from cartridges.qa import Question
 from cartridges.scoring import (
     bootstrap_ci,
     choose_option,
+    closure_ci,
     gap_closure,
     length_normalized_choice,
     logprobs_behind,
@@ -60,6 +62,7 @@ class Scored:
     correct_gen: bool | None = None  # generated answer, fuzzy-matched to an option
     hit_limit: bool = False
     nll: float | None = None  # mean per-token NLL of the reference (free form)
+    gold_nll: float | None = None  # mean per-token NLL of the correct option (multiple choice)
     kv_rows: int = 0
     reply: str = ""
 
@@ -90,8 +93,12 @@ def _seconds(fn: Callable[[], None]) -> float:
 
 
 def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new: int = 48,
-              batch_size: int = 16) -> tuple[list[Scored], float]:
-    """Per-question scores and the median time to first token of this arm."""
+              batch_size: int = 16, likelihood_only: bool = False) -> tuple[list[Scored], float]:
+    """Per-question scores and the median time to first token of this arm.
+
+    `likelihood_only` skips generated answers and the TTFT measurement (NaN), for
+    callers that need only option log-likelihoods and NLLs.
+    """
     tok = lm.tokenizer
     eot = end_of_turn_ids(tok)
     prompts = [student_prompt(tok, question_text(q)) for q in questions]  # generation: options listed
@@ -117,10 +124,12 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
             s.kv_rows = prefix + len(prompt)
             if q.multiple_choice:
                 s.correct = length_normalized_choice(sums, [len(c) for c in conts]) == q.answer
+                # per token, like the choice itself: accuracy is the sign of a margin in this measure
+                s.gold_nll = -sums[q.answer] / len(conts[q.answer])
             else:
                 s.nll = -sums[0] / len(conts[0])
         mc = [i for i in idx if questions[i].multiple_choice]
-        if not mc:
+        if not mc or likelihood_only:
             continue
         if context_rows is not None:
             outs = [_generate_in_context(lm, context_rows, context, prompts[i], max_new, eot) for i in mc]
@@ -134,7 +143,7 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
             s = scored[i]
             s.reply, s.hit_limit = text, limit and len(tok(text, add_special_tokens=False)["input_ids"]) >= max_new - 1
             s.correct_gen = choose_option(text, questions[i].options) == questions[i].answer
-    return scored, _arm_ttft(lm, arm, questions, prompts, eot)
+    return scored, float("nan") if likelihood_only else _arm_ttft(lm, arm, questions, prompts, eot)
 
 
 def _arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts: list[list[int]],
@@ -159,7 +168,8 @@ def _arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts:
 
 
 def summarize_arm(lm: LoadedModel, name: str, scored: Sequence[Scored], ttft: float, notes: list[str]) -> dict:
-    """One arm's figures: accuracy (log-likelihood and generated), intervals, NLL, KV cost, TTFT."""
+    """One arm's figures: accuracy (log-likelihood and generated), gold-option NLL, intervals,
+    answer NLL, KV cost, TTFT."""
     mc = [s for s in scored if s.correct is not None]
     ff = [s for s in scored if s.nll is not None]
     out: dict = {"questions": len(scored), "kv_rows": statistics.mean(s.kv_rows for s in scored),
@@ -171,23 +181,51 @@ def summarize_arm(lm: LoadedModel, name: str, scored: Sequence[Scored], ttft: fl
         out.update(accuracy=statistics.mean(acc), accuracy_ci=bootstrap_ci(acc),
                    accuracy_gen=statistics.mean(gen), accuracy_gen_ci=bootstrap_ci(gen),
                    hit_limit=sum(s.hit_limit for s in mc), multiple_choice=len(mc))
+        gold = [s.gold_nll for s in mc if s.gold_nll is not None]
+        if gold:
+            out.update(gold_nll=statistics.mean(gold), gold_nll_ci=bootstrap_ci(gold))
     if ff:
         out.update(answer_nll=statistics.mean(s.nll for s in ff), free_form=len(ff))
     return out
 
 
-def closure(arms: dict[str, dict], candidate: str) -> dict:
-    """ICL-gap closure of `candidate` on accuracy (or on answer NLL for free-form sets)."""
-    if "bare" not in arms or "icl" not in arms or candidate not in arms:
-        return {"value": None, "reason": "needs bare, icl and " + candidate + " arms"}
-    a, b, c = arms[candidate], arms["bare"], arms["icl"]
-    if "accuracy" in a:
-        value, reason = gap_closure(a["accuracy"], b["accuracy"], c["accuracy"], a["multiple_choice"])
-        return {"value": value, "reason": reason, "metric": "accuracy"}
-    value, reason = gap_closure(-a["answer_nll"], -b["answer_nll"], -c["answer_nll"], a["free_form"], 0)
-    if value is None and reason:
-        reason = "in-context NLL is not below bare NLL"
-    return {"value": value, "reason": reason, "metric": "answer_nll"}
+def _higher_is_better(scored: Sequence[Scored], metric: str) -> list[float]:
+    """Per-question values of `metric`, signed so that larger is better (NLLs negated)."""
+    if metric == "accuracy":
+        return [float(s.correct) for s in scored if s.correct is not None]
+    attr = {"gold_nll": "gold_nll", "answer_nll": "nll"}[metric]
+    return [-getattr(s, attr) for s in scored if getattr(s, attr) is not None]
+
+
+def closure(scored: dict[str, Sequence[Scored]], candidate: str, metric: str | None = None) -> dict:
+    """ICL-gap closure of `candidate` on `metric`, with a 95% interval resampling questions.
+
+    `metric`: "accuracy" (the default for files with multiple choice), "gold_nll" (the
+    correct option's NLL) or "answer_nll" (the default for free-form files). On an NLL,
+    closure is (bare - candidate) / (bare - icl).
+    """
+    if metric is None:
+        metric = "accuracy" if any(s.correct is not None for s in scored.get("bare", ())) else "answer_nll"
+    out: dict = {"value": None, "reason": None, "metric": metric, "ci": None}
+    if "bare" not in scored or "icl" not in scored or candidate not in scored:
+        return {**out, "reason": "needs bare, icl and " + candidate + " arms"}
+    c, b, i = (_higher_is_better(scored[name], metric) for name in (candidate, "bare", "icl"))
+    if not c:
+        return {**out, "reason": f"no question is scored on {metric}"}
+    mc, mb, mi = (statistics.mean(v) for v in (c, b, i))
+    if metric == "accuracy":
+        value, reason = gap_closure(mc, mb, mi, len(c))
+        min_gap = 2 / len(c)
+    else:
+        value, reason = ((mc - mb) / (mi - mb), None) if mi > mb else (None, f"in-context {metric} is not below bare")
+        min_gap = 0.0
+    out.update(value=value, reason=reason)
+    if value is not None:
+        ci, left_out = closure_ci(c, b, i, min_gap)
+        out["ci"] = list(ci) if ci else None
+        if left_out:
+            out["ci_left_out"] = left_out  # resamples whose ICL gap was too small for a ratio
+    return out
 
 
 def document_context(lm: LoadedModel, text: str, reserve: int) -> tuple[list[int], int]:

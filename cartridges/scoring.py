@@ -163,3 +163,28 @@ def gap_closure(cartridge: float, bare: float, icl: float, n: int,
         return None, (f"in-context beats bare by {margin:.0f} of {n} questions "
                       f"(needs at least {min_questions})")
     return (cartridge - bare) / (icl - bare), None
+
+
+def closure_ci(cartridge: Sequence[float], bare: Sequence[float], icl: Sequence[float], min_gap: float,
+               samples: int = 2000, seed: int = 0) -> tuple[tuple[float, float] | None, int]:
+    """95% percentile interval of the gap closure, resampling questions, and how many
+    resamples had no defined closure.
+
+    Per-question values are higher-is-better and aligned across the three arms; each
+    resample draws the same questions for all three, so the arms stay paired (their
+    differences, not their separate spreads, set the width). A resample whose ICL
+    mean does not beat bare by more than 0 and at least `min_gap` has no ratio and
+    is left out, as `gap_closure` refuses one.
+    """
+    c, b, i = (np.asarray(v, dtype=float) for v in (cartridge, bare, icl))
+    if not c.size == b.size == i.size or c.size == 0:
+        raise ValueError(f"closure_ci needs equal non-empty per-question lists, got {c.size}, {b.size}, {i.size}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, c.size, size=(samples, c.size))
+    mc, mb, mi = c[idx].mean(axis=1), b[idx].mean(axis=1), i[idx].mean(axis=1)
+    gap = mi - mb
+    ok = (gap > 0) & (gap >= min_gap - 1e-9)
+    if not ok.any():
+        return None, samples
+    ratio = (mc[ok] - mb[ok]) / gap[ok]
+    return (float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))), int(samples - ok.sum())

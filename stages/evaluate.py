@@ -43,12 +43,14 @@ from schemas import EVALS
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 4  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated, snapkv
+VERSION = 5  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated,
+# snapkv; 5: the correct option's NLL per question, closures with bootstrap intervals
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "snapkv", "first")
 REUSABLE = ("bare", "icl", "full_kv", *PEERS)
+CLOSURES = ("icl_gap_closure", "icl_gap_closure_nll", "oracle_gap_closure", "oracle_gap_closure_nll")
 ARM_STAGE, ARM_FILE = "eval_arm", "scored.json"
-SCORED_FIELDS = ("correct", "correct_gen", "hit_limit", "nll", "kv_rows", "reply")
+SCORED_FIELDS = ("correct", "correct_gen", "hit_limit", "nll", "gold_nll", "kv_rows", "reply")
 KVPRESS_NOTE = (
     "kvpress presses (SnapKV, expected attention, knorm) not run: kvpress 0.5.5 requires "
     "transformers<5.3, and with the installed transformers its forward hook fails with "
@@ -160,15 +162,22 @@ def read_docs(corpus: list[str]) -> dict[str, str]:
     return docs
 
 
-def _evals_rows(run_id: str, arms: dict[str, dict]) -> list[dict]:
+def _evals_rows(run_id: str, result: dict) -> list[dict]:
+    """One row per arm and metric; the closures are rows of the arm they measure."""
     rows = []
-    for arm, res in arms.items():
-        for metric in ("accuracy", "accuracy_gen", "answer_nll", "kv_rows", "kv_bytes", "ttft_s", "hit_limit"):
+    for arm, res in result["arms"].items():
+        for metric in ("accuracy", "accuracy_gen", "gold_nll", "answer_nll", "kv_rows", "kv_bytes", "ttft_s",
+                       "hit_limit"):
             if metric in res and res[metric] is not None:
                 n = res.get("multiple_choice") or res.get("free_form") or res["questions"]
                 details = {k: res[k + "_ci"] for k in (metric,) if k + "_ci" in res}
                 rows.append({"run_id": run_id, "arm": arm, "metric": metric, "value": float(res[metric]),
                              "n": int(n), "details": json.dumps(details)})
+    for name in CLOSURES:
+        c = result.get(name)
+        if c and c["value"] is not None:
+            rows.append({"run_id": run_id, "arm": c["arm"], "metric": name, "value": float(c["value"]),
+                         "n": int(result["questions"]), "details": json.dumps({k: c[k] for k in ("metric", "ci")})})
     return rows
 
 
@@ -178,32 +187,44 @@ def markdown_report(result: dict) -> str:
     lines = [f"# Eval of {subject}", "",
              f"Questions: {result['questions']} from `{result['qa']}`; "
              f"documents: {', '.join(result['docs']) or 'none'}.", "",
-             "| arm | accuracy (95% CI) | accuracy_gen (95% CI) | hit limit | answer NLL | KV rows | KV MiB | TTFT ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| arm | accuracy (95% CI) | accuracy_gen (95% CI) | gold NLL (95% CI) | hit limit | answer NLL "
+             "| KV rows | KV MiB | TTFT ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
-    def ci(res: dict, name: str) -> str:
+    def ci(res: dict, name: str, fmt: str = ".1%", bound: str = ".0%") -> str:
         if name not in res:
             return "n/a"
         lo, hi = res[name + "_ci"]
-        return f"{res[name]:.1%} ({lo:.0%}-{hi:.0%})"
+        return f"{res[name]:{fmt}} ({lo:{bound}}-{hi:{bound}})"
     for arm, res in result["arms"].items():
         nll = f"{res['answer_nll']:.3f}" if "answer_nll" in res else "n/a"
-        lines.append(f"| {arm} | {ci(res, 'accuracy')} | {ci(res, 'accuracy_gen')} | {res.get('hit_limit', 'n/a')} "
+        lines.append(f"| {arm} | {ci(res, 'accuracy')} | {ci(res, 'accuracy_gen')} "
+                     f"| {ci(res, 'gold_nll', '.3f', '.3f')} | {res.get('hit_limit', 'n/a')} "
                      f"| {nll} | {res['kv_rows']:.0f} | {res['kv_bytes'] / 2**20:.1f} | {res['ttft_s'] * 1000:.0f} |")
-    c = result["icl_gap_closure"]
-    lines += ["", f"ICL-gap closure ({c.get('metric', 'n/a')}): "
-              + (f"{c['value']:.2f}" if c["value"] is not None else f"null ({c['reason']})")]
+    lines.append("")
+    for name, label in (("icl_gap_closure", "ICL-gap closure"), ("icl_gap_closure_nll", "ICL-gap closure"),
+                        ("oracle_gap_closure", "ICL-gap closure with oracle selection"),
+                        ("oracle_gap_closure_nll", "ICL-gap closure with oracle selection")):
+        if result.get(name):
+            lines.append(f"{label} ({result[name]['metric']}): {_closure_text(result[name])}")
     if result.get("compression"):
         lines.append(f"KV compression vs ICL: {result['compression']:.1f}x fewer rows")
-    if result.get("oracle_gap_closure"):
-        c = result["oracle_gap_closure"]
-        lines.append("ICL-gap closure with oracle selection: "
-                     + (f"{c['value']:.2f}" if c["value"] is not None else f"null ({c['reason']})"))
     top1 = result["arms"].get("fleet_retrieval", {}).get("retrieval_top1")
     if top1 is not None:
         lines.append(f"Retrieval top-1 picks the question's document for {top1:.0%} of questions")
     lines += [f"- {n}" for n in result["notes"] if n]
     return "\n".join(lines) + "\n"
+
+
+def _closure_text(c: dict) -> str:
+    if c["value"] is None:
+        return f"null ({c['reason']})"
+    text = f"{c['value']:.2f}"
+    if c.get("ci"):
+        text += f" (95% CI {c['ci'][0]:.2f} to {c['ci'][1]:.2f})"
+    if c.get("ci_left_out"):
+        text += f"; {c['ci_left_out']} of 2000 resamples had no defined closure"
+    return text
 
 
 def chart_png(result: dict, path: Path) -> None:
@@ -281,7 +302,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
                               f"({', '.join(docs)})")
         inputs = Inputs(lm, cartridges, docs, fleet)
-        arms, answers = {}, []
+        arms, by_arm, answers = {}, {}, []
         plan = inputs.arms(peers)
         if fleet is not None:
             extra, why = inputs.fleet_arms(used)
@@ -293,10 +314,11 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             scored, ttft, skipped = scored_arm(store, lm, arm, used, max_new, config, inputs.budget, force, run_id)
             if skipped:
                 reused.append(arm.name)
-            arms[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes)
-            answers += [{"arm": arm.name, "line": s.question.line, "question": s.question.question,
+            arms[arm.name], by_arm[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes), scored
+            answers += [{"arm": arm.name, "line": s.question.line, "doc": s.question.doc,
+                         "region": s.question.region, "question": s.question.question,
                          "correct": s.correct, "correct_gen": s.correct_gen, "reply": s.reply,
-                         "nll": s.nll} for s in scored]
+                         "nll": s.nll, "gold_nll": s.gold_nll} for s in scored]
         notes += [f"{problem} (skipped)" for problem in problems]
         if reused:
             notes.append(f"arms reused from an identical earlier scoring (TTFT as measured then): {', '.join(reused)}")
@@ -312,13 +334,20 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
         main = "cartridge" if "cartridge" in arms else "fleet_retrieval"
         result.update(
             qa=str(qa), cartridges=[str(c) for c in cartridges], fleet=fleet_dir, docs=list(docs),
-            questions=len(used), arms=arms, icl_gap_closure=closure(arms, main), notes=notes,
+            questions=len(used), arms=arms, notes=notes,
             compression=(arms["icl"]["kv_rows"] / arms[main]["kv_rows"]
                          if "icl" in arms and main in arms else None),
         )
-        if "fleet_oracle" in arms:
-            result["oracle_gap_closure"] = closure(arms, "fleet_oracle")
-        ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id or ctx.artifact.id, arms), schema=EVALS))
+        mc = any(q.multiple_choice for q in used)
+        for prefix, candidate in (("icl", main), ("oracle", "fleet_oracle")):
+            if prefix == "oracle" and candidate not in arms:
+                continue
+            result[f"{prefix}_gap_closure"] = {**closure(by_arm, candidate), "arm": candidate}
+            result[f"{prefix}_gap_closure_nll"] = (
+                {**closure(by_arm, candidate, "gold_nll"), "arm": candidate} if mc else
+                {"value": None, "reason": "no multiple-choice questions", "metric": "gold_nll", "ci": None,
+                 "arm": candidate})
+        ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id or ctx.artifact.id, result), schema=EVALS))
         ctx.write_file("result.json", json.dumps(result, indent=1).encode())
         ctx.write_file("answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers).encode())
         ctx.write_file("report.md", markdown_report(result).encode())

@@ -12,12 +12,13 @@ import torch
 
 from cartridges.cartridge import init_from_corpus
 from cartridges.chat import system_ids
-from cartridges.evaluate import Arm, score_arm
+from cartridges.evaluate import Arm, Scored, closure, score_arm, summarize_arm
 from cartridges.files import save_cartridge
 from cartridges.qa import QAError, Question, read_questions
 from cartridges.scoring import (
     bootstrap_ci,
     choose_option,
+    closure_ci,
     gap_closure,
     length_normalized_choice,
     logprobs_behind,
@@ -120,6 +121,86 @@ def test_both_scoring_paths_equal_a_dense_forward(tiny_lm):
         assert a == pytest.approx(_dense_logprob(tiny_lm, prompt + cont, len(prompt)), abs=1e-4)
 
 
+def _chat_text(tok, turns: list[tuple[str, str]]) -> list[int]:
+    """Reference ids: the ChatML text written out by hand, tokenized in one piece."""
+    text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in turns)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_gold_nll_equals_a_dense_forward_in_context_behind_rows_and_bare(tiny_lm):
+    tok = tiny_lm.tokenizer
+    document = "The zebra code is 4417. The lion code is 9021. " * 3
+    questions = [Question(1, "What is the zebra code?", 0, ("4417", "9021 or so"), "d.md"),
+                 Question(2, "What is the lion code?", 1, ("4417", "9021 or so"), "d.md")]
+    context = system_ids(tok, document)
+    arms = {"icl": Arm("icl", key=lambda q: "d", context=lambda q: context),
+            "rows": Arm("rows", key=lambda q: "d", rows=lambda q: native_context(tiny_lm, context)),
+            "bare": Arm("bare", key=lambda q: "", rows=lambda q: [])}
+    for name, arm in arms.items():
+        scored, ttft = score_arm(tiny_lm, arm, questions, max_new=2)
+        expected = []
+        for q, s in zip(questions, scored, strict=True):
+            head = [("system", document)] if name != "bare" else []
+            prompt = _chat_text(tok, [*head, ("user", q.question)]) + tok("<|im_start|>assistant\n")["input_ids"]
+            gold = tok(q.options[q.answer], add_special_tokens=False)["input_ids"]
+            expected.append(-_dense_logprob(tiny_lm, prompt + gold, len(prompt)) / len(gold))
+            assert s.gold_nll == pytest.approx(expected[-1], abs=1e-4), name
+        summary = summarize_arm(tiny_lm, name, scored, ttft, [])
+        assert summary["gold_nll"] == pytest.approx(statistics.mean(expected), abs=1e-4)
+        assert summary["gold_nll_ci"] == bootstrap_ci([s.gold_nll for s in scored])
+        quick, no_ttft = score_arm(tiny_lm, arm, questions, likelihood_only=True)
+        assert [(s.correct, s.gold_nll) for s in quick] == [(s.correct, s.gold_nll) for s in scored]
+        assert all(s.correct_gen is None and s.reply == "" for s in quick) and math.isnan(no_ttft)
+
+
+def _constructed(bare: list[float], icl: list[float], cart: list[float], metric: str) -> dict[str, list[Scored]]:
+    q = Question(1, "?", 0, ("a", "b"))
+    field = "correct" if metric == "accuracy" else "gold_nll"
+    return {arm: [Scored(q, **{field: (bool(v) if field == "correct" else v)}) for v in values]
+            for arm, values in (("bare", bare), ("icl", icl), ("cartridge", cart))}
+
+
+def test_nll_gap_closure_on_constructed_numbers():
+    # every question's cartridge NLL lies halfway between bare and ICL: closure 0.5 in every resample
+    bare, icl = [3.0, 4.0, 2.5, 5.0], [1.0, 2.0, 0.5, 1.0]
+    half = [(b + i) / 2 for b, i in zip(bare, icl, strict=True)]
+    c = closure(_constructed(bare, icl, half, "gold_nll"), "cartridge", "gold_nll")
+    assert c["value"] == pytest.approx(0.5) and c["ci"] == pytest.approx([0.5, 0.5]) and c["metric"] == "gold_nll"
+    # uneven per-question closure: value from the means, interval from paired resamples of questions
+    cart = [2.0, 4.0, 0.5, 3.0]
+    c = closure(_constructed(bare, icl, cart, "gold_nll"), "cartridge", "gold_nll")
+    assert c["value"] == pytest.approx((14.5 / 4 - 9.5 / 4) / (14.5 / 4 - 4.5 / 4))  # (3.625-2.375)/(3.625-1.125)
+    draws = np.random.default_rng(0).integers(0, 4, size=(2000, 4))
+    ratios = []
+    for d in draws:
+        mb, mi, mc = (sum(v[j] for j in d) / 4 for v in (bare, icl, cart))
+        if mb - mi > 0:
+            ratios.append((mb - mc) / (mb - mi))
+    assert c["ci"] == pytest.approx([np.percentile(ratios, 2.5), np.percentile(ratios, 97.5)])
+    assert c["ci"][0] < c["value"] < c["ci"][1]
+    # ICL no better than bare: no closure and no interval
+    c = closure(_constructed(bare, bare, cart, "gold_nll"), "cartridge", "gold_nll")
+    assert c["value"] is None and c["ci"] is None and "not below bare" in c["reason"]
+
+
+def test_accuracy_closure_interval_leaves_out_resamples_without_an_icl_margin():
+    bare = [0, 0, 0, 0, 1, 0, 0, 0]
+    icl = [1, 1, 1, 0, 1, 0, 0, 0]
+    cart = [1, 0, 1, 0, 0, 0, 1, 0]
+    c = closure(_constructed(bare, icl, cart, "accuracy"), "cartridge")
+    assert c["metric"] == "accuracy" and c["value"] == pytest.approx((3 / 8 - 1 / 8) / (4 / 8 - 1 / 8))
+    draws = np.random.default_rng(0).integers(0, 8, size=(2000, 8))
+    kept = []
+    for d in draws:
+        mb, mi, mc = (sum(v[j] for j in d) / 8 for v in (bare, icl, cart))
+        if (mi - mb) * 8 >= 2 - 1e-9:  # ICL ahead by at least two questions, as gap_closure requires
+            kept.append((mc - mb) / (mi - mb))
+    assert c["ci"] == pytest.approx([np.percentile(kept, 2.5), np.percentile(kept, 97.5)])
+    assert c["ci_left_out"] == 2000 - len(kept) > 0
+    with pytest.raises(ValueError, match="equal non-empty"):
+        closure_ci([1.0], [1.0, 0.0], [1.0], 0.0)
+
+
 def _planted(tiny_lm):
     """Two options of equal length; the planted rows make option 0 far likelier."""
     tok = tiny_lm.tokenizer
@@ -166,16 +247,31 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     for arm in ("knorm", "snapkv", "first"):
         assert result["arms"][arm]["kv_rows"] == result["arms"]["cartridge"]["kv_rows"]
     assert "metric" in result["icl_gap_closure"]
-    report = (tmp_path / "store").rglob("report.md")
-    assert "| icl |" in next(report).read_text()
+    assert icl["gold_nll"] == pytest.approx(full["gold_nll"], abs=1e-4)
+    for arm in result["arms"].values():
+        assert arm["gold_nll_ci"][0] <= arm["gold_nll"] <= arm["gold_nll_ci"][1]
+    nll = result["icl_gap_closure_nll"]
+    assert nll["metric"] == "gold_nll" and nll["arm"] == "cartridge"
+    bare_nll, cart_nll = result["arms"]["bare"]["gold_nll"], result["arms"]["cartridge"]["gold_nll"]
+    if icl["gold_nll"] < bare_nll:
+        assert nll["value"] == pytest.approx((bare_nll - cart_nll) / (bare_nll - icl["gold_nll"]))
+    else:
+        assert nll["value"] is None and "not below bare" in nll["reason"]
+    report = next((tmp_path / "store").rglob("report.md")).read_text()
+    assert "| icl |" in report and "gold NLL (95% CI)" in report and "ICL-gap closure (gold_nll)" in report
     assert next((tmp_path / "store").rglob("chart.png")).read_bytes()[:4] == b"\x89PNG"
     answers = [json.loads(x) for x in next((tmp_path / "store").rglob("answers.jsonl")).read_text().splitlines()]
     assert len(answers) == 7 * 3 and {a["arm"] for a in answers} == set(result["arms"])
+    assert {a["doc"] for a in answers} == {"doc.md"} and {a["region"] for a in answers} == {None}
     icl_correct = [a["correct"] for a in answers if a["arm"] == "icl" and a["correct"] is not None]
     assert sum(icl_correct) / len(icl_correct) == icl["accuracy"]
+    icl_gold = [a["gold_nll"] for a in answers if a["arm"] == "icl" and a["gold_nll"] is not None]
+    assert statistics.mean(icl_gold) == pytest.approx(icl["gold_nll"])
     from storage.sql import query
     cols, rows = query(tmp_path / "store", "SELECT arm, value FROM evals WHERE metric = 'accuracy' ORDER BY arm")
     assert dict(rows)["icl"] == icl["accuracy"]
+    cols, rows = query(tmp_path / "store", "SELECT arm, value FROM evals WHERE metric = 'gold_nll' ORDER BY arm")
+    assert dict(rows)["icl"] == pytest.approx(icl["gold_nll"])
     again = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
                          max_new=4, log=lambda _: None)
     assert again["skipped"] and again["arms"]["icl"]["accuracy"] == icl["accuracy"]
@@ -191,7 +287,7 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     assert not third["skipped"]
     assert any(n.startswith("arms reused") and "cartridge" not in n and "icl" in n for n in third["notes"])
     for arm in result["arms"]:
-        for metric in ("accuracy", "accuracy_gen", "answer_nll", "kv_rows"):
+        for metric in ("accuracy", "accuracy_gen", "answer_nll", "gold_nll", "kv_rows"):
             assert third["arms"][arm].get(metric) == fresh["arms"][arm].get(metric), (arm, metric)
 
 
