@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu", help="cpu or cuda; the reference runs on the same device")
     ap.add_argument("--max-a", type=int, default=None, help="bot B's budget (default: the config's)")
     ap.add_argument("--max-q", type=int, default=None, help="bot A's budget (default: the config's)")
+    ap.add_argument("--gen-batch", type=int, default=None, help="the pipeline's generation width (default: the config's)")
     ap.add_argument("--no-reference", action="store_true", help="time the pipeline path only")
     ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
     args = ap.parse_args(argv)
@@ -159,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
     synth = SynthConfig()
     synth = replace(synth, max_a=args.max_a or synth.max_a, max_q=args.max_q or synth.max_q)
+    ref_synth = replace(synth, gen_batch=16)  # the reference generates at batch 16
+    synth = replace(synth, gen_batch=args.gen_batch or synth.gen_batch)
     train_cfg = TrainConfig()
 
     load_before = os.getloadavg()[0]
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_reference:
         log("reference (transformers generate, float32, unshared prefills, flat training)")
         with reference_paths():
-            ref = run_path(ref_lm, plan, contexts, text, synth, replace(train_cfg, pack=False), log)
+            ref = run_path(ref_lm, plan, contexts, text, ref_synth, replace(train_cfg, pack=False), log)
     load_after = os.getloadavg()[0]
 
     for name, r in (("pipeline", ours), ("reference", ref)):
@@ -194,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": args.dtype,
         "device": str(lm.device),
         "per_chunk": chunk_cfg.per_chunk,
+        "gen_batch": synth.gen_batch,
         "corpus_tokens": len(ids),
         "threads": torch.get_num_threads(),
         "load_average": [round(load_before, 2), round(load_after, 2)],

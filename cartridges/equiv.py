@@ -49,11 +49,17 @@ def equivalence(lm: LoadedModel, text: str, p: int, suffix_max: int = 128, parts
     real = lm.model(input_ids=seq.view(1, -1)).logits[0, prefix:].float()
     seconds = time.perf_counter() - start
     max_dlogit = (behind - real).abs().max().item()
-    agree = int((behind.argmax(-1) == real.argmax(-1)).sum().item())
+    same = behind.argmax(-1) == real.argmax(-1)
+    agree = int(same.sum().item())
     tolerance, own = F32_TOLERANCE, None
     if lm.dtype != torch.float32:
         own = shape_sensitivity(lm, seq, prefix)
         tolerance = max(F32_TOLERANCE, 1.5 * own)
+    # A greedy pick that differs where the real prefill's top two logits lie within the
+    # tolerance is a tie at this precision, not a difference in what the rows mean.
+    top2 = real.topk(2, dim=-1).values
+    ties = int(((top2[:, 0] - top2[:, 1]) <= tolerance)[~same].sum().item())
+    allowed = 0 if lm.dtype == torch.float32 else ties
     return {
         "model": lm.name,
         "p": p,
@@ -62,9 +68,10 @@ def equivalence(lm: LoadedModel, text: str, p: int, suffix_max: int = 128, parts
         "n": n,
         "max_abs_dlogit": max_dlogit,
         "greedy_agree": agree,
+        "greedy_ties": ties,
         "tolerance": tolerance,
         "own_shape_sensitivity": own,
-        "pass": bool(max_dlogit <= tolerance and agree == n),
+        "pass": bool(max_dlogit <= tolerance and agree + allowed == n),
         "seconds": seconds,
     }
 

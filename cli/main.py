@@ -31,7 +31,8 @@ def cmd_equiv(args: argparse.Namespace) -> int:
     r = equivalence(lm, text, args.p, args.suffix_max, args.parts)
     print(f"prefix rows {r['prefix_rows']} ({r['parts']} part(s) of p={r['p']}), suffix tokens {r['n']}")
     print(f"max |dlogit| {r['max_abs_dlogit']:.3e} (tolerance {r['tolerance']:.1e})")
-    print(f"greedy agreement {r['greedy_agree']}/{r['n']}")
+    ties = f" ({r['greedy_ties']} of the differences at near-ties within the tolerance)" if r["greedy_ties"] else ""
+    print(f"greedy agreement {r['greedy_agree']}/{r['n']}{ties}")
     print(("PASS" if r["pass"] else "FAIL") + ": untrained corpus-init cartridge vs real prefill")
     r["load_seconds"] = lm.load_seconds
     emit_json(args, r)

@@ -52,3 +52,17 @@ def test_dtype_names():
     assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype("auto") is None and parse_dtype(None) is None
     with pytest.raises(ModelError, match="--dtype int8"):
         parse_dtype("int8")
+
+
+def test_bf16_gate_passes_and_excuses_only_near_ties(monkeypatch):
+    from cartridges import equiv
+
+    lm = as_bf16(tiny_llama())
+    text = "".join(chr(97 + (i * 7) % 26) for i in range(200))
+    report = equiv.equivalence(lm, text, p=16, suffix_max=32)
+    assert report["pass"] and report["own_shape_sensitivity"] is not None
+    assert report["greedy_agree"] + report["greedy_ties"] >= report["n"]
+    # Rows from other tokens are no tie at any precision: the gate fails.
+    real_capture = equiv.capture_rows
+    monkeypatch.setattr(equiv, "capture_rows", lambda model, ids: real_capture(model, ids.flip(0)))
+    assert not equiv.equivalence(lm, text, p=16, suffix_max=32)["pass"]
