@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-a", type=int, default=None, help="bot B's budget (default: the config's)")
     ap.add_argument("--max-q", type=int, default=None, help="bot A's budget (default: the config's)")
     ap.add_argument("--gen-batch", type=int, default=None, help="the pipeline's generation width (default: the config's)")
+    ap.add_argument("--per-chunk", type=int, default=None, help="conversations per span (default: the config's)")
     ap.add_argument("--no-reference", action="store_true", help="time the pipeline path only")
     ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
     args = ap.parse_args(argv)
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
         text = f.read()
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     chunk_cfg = ChunkConfig(conversations=args.conversations, heldout=0)
+    chunk_cfg = chunk_cfg.replace(per_chunk=args.per_chunk or chunk_cfg.per_chunk)
     plan = plan_chunks([{"doc_id": 0, "token_ids": ids}], chunk_cfg)
     contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
     synth = SynthConfig()

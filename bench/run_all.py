@@ -105,6 +105,15 @@ def markdown(rows: list[dict], quick: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+KEEP = "<!-- below: notes that make bench keeps -->"
+
+
+def kept_notes(path: Path) -> str:
+    """The measured notes under the KEEP line of an existing file (levers measured one by one)."""
+    text = path.read_text() if path.is_file() else ""
+    return "\n" + text[text.index(KEEP):] if KEEP in text else ""
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the command, not the hardware")
@@ -118,8 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
     results = {b.name: run_bench(b, args.quick, log) for b in chosen}
     rows = table_rows(results)
     text = markdown(rows, args.quick)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + kept_notes(out))
     stamp = datetime.now(UTC).isoformat()
 
     def work(ctx: StageContext) -> None:

@@ -176,7 +176,7 @@ class SynthConfig(_Config):
     max_q: int = 64
     max_a: int = 160
     temperature_a: float = 0.6
-    gen_batch: int = 16
+    gen_batch: int = 64  # lockstep streams per generation group and per synthesis shard
     seed: int = 7
     filter: bool = True
     stop_at_question: bool = True  # end bot A's message at its first '?' (seeds that ask a question)

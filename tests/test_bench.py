@@ -27,3 +27,14 @@ def test_bench_quick_mode_writes_its_table(tmp_path):
         assert f"| {bench} | `{key}` |" in text
     _, rows = query(store, "SELECT benchmark, metric, value, quick FROM benchmarks")
     assert {(b, m) for b, m, _, _ in rows} >= expected and all(q for *_, q in rows)
+
+
+def test_regenerating_the_table_keeps_the_notes_below_the_marker(tmp_path):
+    from bench.run_all import KEEP, kept_notes
+
+    path = tmp_path / "BENCHMARKS.md"
+    assert kept_notes(path) == ""
+    path.write_text("# Benchmarks\n\n| old table |\n")
+    assert kept_notes(path) == ""
+    path.write_text(f"# Benchmarks\n\n| old table |\n\n{KEEP}\n\n## Levers\n\nmeasured by hand\n")
+    assert kept_notes(path) == f"\n{KEEP}\n\n## Levers\n\nmeasured by hand\n"

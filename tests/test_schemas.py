@@ -33,7 +33,7 @@ def test_defaults_are_exact() -> None:
     assert chunks.seed == 7
     assert chunks.seed_types == ("structuring", "summarization", "question", "use_case",
                                  "creative", "mechanism", "verbatim")
-    assert (synth.max_q, synth.max_a, synth.temperature_a, synth.gen_batch) == (64, 160, 0.6, 16)
+    assert (synth.max_q, synth.max_a, synth.temperature_a, synth.gen_batch) == (64, 160, 0.6, 64)
     assert (synth.seed, synth.filter) == (7, True)
     assert (teacher.top_k, teacher.top_mass, teacher.batch) == (20, 0.99, 8)
     assert IngestConfig().max_bytes == 16 * 1024 * 1024
