@@ -136,7 +136,7 @@ def run_path(lm: LoadedModel, plan: list[dict], contexts: list[str], text: str, 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="docs/eval/raft.md")
-    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--conversations", type=int, default=70, help="planned conversations (10 spans of 7)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the pipeline path's dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda; the reference runs on the same device")

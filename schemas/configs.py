@@ -142,7 +142,7 @@ class ChunkConfig(_Config):
     chunk_max: int = 512
     seed: int = 7
     seed_types: tuple[str, ...] = SEED_TYPES
-    per_chunk: int = 4  # conversations (distinct seed types) per sampled span, prefilled once
+    per_chunk: int = 7  # conversations (distinct seed types) per span, its prefill shared
     # "sample": held-out spans drawn anywhere, no text withheld from training; "tail": a reserved
     # tail of each document is held out (a diagnostic of transfer to unseen text)
     heldout_region: str = "sample"
