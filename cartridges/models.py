@@ -78,9 +78,9 @@ def _from_dir_or_hub(spec: str, dtype: torch.dtype | None):
         config = AutoConfig.from_pretrained(spec, local_files_only=True)
     except Exception as exc:
         raise ModelError(f"{spec}: cannot load model from {where} ({one_line(exc)})") from exc
-    if getattr(config, "is_encoder_decoder", False):  # refused before any weights are read
-        raise ModelError(f"{spec} ({config.model_type}): cannot host cartridges: an encoder-decoder model "
-                         "(a cartridge is a prefix of a decoder-only model's self-attention cache)")
+    reason = config_reason(config)
+    if reason:  # refused before any weights are read
+        raise ModelError(f"{spec} ({config.model_type}): cannot host cartridges: {reason}")
     try:
         model = AutoModelForCausalLM.from_pretrained(spec, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
@@ -170,9 +170,14 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why a cartridge cannot enter this model's cache, or None when it can.
 
     A cartridge is per-layer K/V rows in a standard transformers cache read by causal
-    self-attention; the last check runs the model on two tokens and reads its cache.
+    self-attention; past what the config says, the model runs on two tokens and its
+    cache is read.
     """
-    cfg = model.config
+    return config_reason(model.config) or _cache_reason(model)
+
+
+def config_reason(cfg) -> str | None:
+    """What the config alone says against hosting a cartridge (checked before weights load too)."""
     if getattr(cfg, "is_encoder_decoder", False):
         return "an encoder-decoder model (a cartridge is a prefix of a decoder-only model's self-attention cache)"
     shared = getattr(cfg, "num_kv_shared_layers", 0) or getattr(cfg, "kv_shared_layers", 0)
@@ -183,7 +188,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     other = sorted(set(getattr(cfg, "layer_types", None) or ()) - set(HOSTED_LAYER_TYPES))
     if other:
         return f"layer types {', '.join(other)} do not read a standard K/V cache through a mask"
-    return _cache_reason(model)
+    return None
 
 
 def _cache_reason(model: torch.nn.Module) -> str | None:
