@@ -23,6 +23,7 @@ from transformers import DynamicCache
 
 from cartridges.models import cache_keyword, project, read_cache
 from cartridges.prefix import Rows, attention_masks, forward_behind, prefix_length
+from cartridges.targets import top_entries
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Stream:
     seed: int = 0
     stop_ids: tuple[int, ...] = ()
     loop_span: int = 0  # > 0: end the stream once a window of this many tokens recurs
+    keep_topk: int = 0  # > 0: keep each step's top-k log-probabilities (the teacher's targets, for free)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Running:
     tag: Any = None
     tokens: list[int] = field(default_factory=list)
     margins: list[float] = field(default_factory=list)
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # with keep_topk: per token
     finished: str = ""  # "", or "stop", "length", "loop"
     prefix_rows: int = 0
     keep_kv: bool = False
@@ -132,6 +135,7 @@ class Batch:
         if self.logits is None:
             raise RuntimeError("choose needs pending logits (join or advance first)")
         chosen, margins = _choose(self.logits, [s.stream for s in self.states], [s.generator for s in self.states])
+        self._keep_topk()
         self.logits = None
         keep = []
         for r, st in enumerate(self.states):
@@ -152,6 +156,19 @@ class Batch:
             progress(len(stepped))
         self._keep(keep)
         return stepped
+
+    def _keep_topk(self) -> None:
+        """Record the pending distribution's top entries for the streams that keep them."""
+        want = [r for r, st in enumerate(self.states) if st.stream.keep_topk]
+        if not want:
+            return
+        assert self.logits is not None
+        k = max(self.states[r].stream.keep_topk for r in want)
+        rows = torch.tensor(want, device=self.logits.device)
+        values, ids = top_entries(self.logits.index_select(0, rows), k)
+        for r, row_ids, row_values in zip(want, ids.tolist(), values.tolist(), strict=True):
+            st = self.states[r]
+            st.topk.append((row_ids[: st.stream.keep_topk], row_values[: st.stream.keep_topk]))
 
     def drop(self, tags: Sequence[Any]) -> list[Running]:
         """Remove streams by tag (a client went away); returns the removed ones."""

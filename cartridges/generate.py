@@ -32,6 +32,7 @@ class Generation:
     finished: str  # "stop", "length" or "loop"
     min_margin: float = math.inf
     margins: list[float] = field(default_factory=list)
+    topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # streams with keep_topk
 
 
 def generate(
@@ -97,6 +98,7 @@ def _run_group(
             finished=st.finished,
             min_margin=min(st.margins, default=math.inf),
             margins=st.margins,
+            topk=st.topk,
         )
         for st in states
     ]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from cartridges.attention import use_grouped_sdpa
 from cartridges.errors import ModelError
 from cartridges.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
 
@@ -151,6 +152,7 @@ def freeze(model: torch.nn.Module, name: str | None = None) -> torch.nn.Module:
     model.requires_grad_(False)
     model.eval()
     check_supported(model, name)
+    use_grouped_sdpa(model)
     return model
 
 

@@ -15,13 +15,26 @@ from cartridges.prefix import capture_rows, forward_behind
 from cartridges.sharing import shared_groups
 
 
+def top_entries(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of `[N, V]` logits -> the k largest float32 log-probabilities and their ids, descending."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.topk(min(k, logp.shape[-1]), dim=-1)
+
+
 def truncate_topk(logits: torch.Tensor, k: int, mass: float) -> list[tuple[list[int], list[float]]]:
     """Rows of `[N, V]` logits -> (ids, logprobs) kept per row."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return cut_at_mass(*top_entries(logits, k), mass)
+
+
+def cut_at_mass(values: torch.Tensor, ids: torch.Tensor, mass: float) -> list[tuple[list[int], list[float]]]:
+    """Descending `[N, k]` entries -> each row's prefix up to where cumulative probability reaches `mass`.
+
+    Applied to the first k' <= k columns of stored top-k entries it keeps exactly what
+    `truncate_topk(logits, k', mass)` keeps: the same float32 numbers, the same ops.
+    """
     reached = values.exp().cumsum(-1) >= mass
     keep = torch.where(reached.any(-1), reached.float().argmax(-1) + 1, values.shape[-1])
-    return [(ids[n, : keep[n]].tolist(), values[n, : keep[n]].tolist()) for n in range(logits.shape[0])]
+    return [(ids[n, : keep[n]].tolist(), values[n, : keep[n]].tolist()) for n in range(values.shape[0])]
 
 
 @torch.no_grad()

@@ -180,11 +180,17 @@ class SynthConfig(_Config):
     seed: int = 7
     filter: bool = True
     stop_at_question: bool = True  # end bot A's message at its first '?' (seeds that ask a question)
+    # Bot B keeps the top-k log-probabilities of every answer step: exactly the teacher's
+    # targets (same model, same context, same tokens), so the teacher pass reads them
+    # instead of running the answers again. 0: the teacher pass computes them.
+    keep_topk: int = 20
 
     def validate(self) -> None:
         for name in ("max_q", "max_a", "gen_batch"):
             if getattr(self, name) < 1:
                 raise _bad(self, name, "must be >= 1")
+        if not 0 <= self.keep_topk <= 1000:
+            raise _bad(self, "keep_topk", "must be in [0, 1000]")
         if not 0 < self.temperature_a <= 2:
             raise _bad(self, "temperature_a", "must be in (0, 2]")
         if self.seed < 0:

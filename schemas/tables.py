@@ -42,7 +42,7 @@ CHUNKS = _schema("chunks", 1, [
     _f("token_ids", _IDS),
 ])
 
-CONVERSATIONS = _schema("conversations", 1, [
+CONVERSATIONS = _schema("conversations", 2, [
     _f("conv_id", _I64), _f("chunk_id", _I64), _f("doc_id", _I32), _f("seed_type", _STR),
     _f("split", _STR), _f("question", _STR), _f("answer", _STR),
     _f("teacher_ids", _IDS), _f("student_ids", _IDS),
@@ -50,6 +50,10 @@ CONVERSATIONS = _schema("conversations", 1, [
     _f("a_ok", pa.bool_()), _f("b_ok", pa.bool_()), _f("a_reason", _STR), _f("b_reason", _STR),
     _f("temperature_a", _F32), _f("max_q", _I32), _f("max_a", _I32), _f("rng_seed", _I64),
     _f("q_tokens", _I32), _f("a_tokens", _I32),
+    # Bot B's own top-k log-probabilities at each answer token: the teacher's targets, read
+    # by the teacher pass instead of recomputed (null where the answer was re-tokenized).
+    _f("answer_topk_ids", pa.list_(_IDS), nullable=True),
+    _f("answer_topk_logprobs", pa.list_(pa.list_(_F32)), nullable=True),
 ])
 
 TARGETS = _schema("targets", 1, [

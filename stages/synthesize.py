@@ -3,8 +3,10 @@
 Both bots are the frozen model. Bot A (temperature, chunk inline, seed-specific
 instruction and assistant prefix) writes one message; degenerate messages are scored
 and dropped before bot B runs. Bot B (greedy, chunk as the system turn) answers; its
-prompt plus its tokens form the teacher sequence byte for byte. The student sequence
-is the same ids with the chunk's system turn cut away (the cartridge takes its place).
+prompt plus its tokens form the teacher sequence byte for byte, and the distribution
+it chose each answer token from is that token's teacher target, kept (top-k) so the
+teacher pass need not run the answers again. The student sequence is the same ids
+with the chunk's system turn cut away (the cartridge takes its place).
 
 Conversations about one chunk (several seed types) share their prompt heads: each bot
 prefills the chunk once per group and continues every conversation behind those rows.
@@ -37,7 +39,7 @@ from storage import StageContext, Store
 from storage.faults import fault_point
 
 NAME = "synthesize"
-VERSION = 2
+VERSION = 3
 
 
 def question_stop_ids(tokenizer) -> tuple[int, ...]:
@@ -84,20 +86,22 @@ def synthesize_group(
         if ok or not config.filter:
             messages = [{"role": "system", "content": ctx}, {"role": "user", "content": question}]
             b_streams.append(Stream(prompt=chat_ids(tok, messages, add_generation_prompt=True),
-                                    max_new=config.max_a, stop_ids=eot, loop_span=LOOP_SPAN))
+                                    max_new=config.max_a, stop_ids=eot, loop_span=LOOP_SPAN,
+                                    keep_topk=config.keep_topk))
             b_index.append(i)
     b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
 
     for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
         row, ctx = rows[i], contexts[i]
-        answer_tokens = list(gen.tokens)
+        answer_tokens, topk = list(gen.tokens), list(gen.topk)
         cut = loop_start(answer_tokens, LOOP_SPAN)
         if cut is not None:  # keep the answer up to its loop; the repeats teach nothing but looping
-            answer_tokens = answer_tokens[:cut]
+            answer_tokens, topk = answer_tokens[:cut], topk[:cut]
         text = tok.decode([t for t in answer_tokens if t not in eot], skip_special_tokens=True)
         answer = strip_think(text)
         if answer != text.strip():  # marked reasoning removed: supervise the cleaned answer
             answer_tokens = tok(answer, add_special_tokens=False)["input_ids"] + [eot[0]]
+            topk = []  # other tokens than bot B read: the teacher pass computes their targets
         teacher = list(stream.prompt) + answer_tokens
         head = system_ids(tok, ctx)
         if teacher[: len(head)] != head:
@@ -109,6 +113,8 @@ def synthesize_group(
             answer=answer, teacher_ids=teacher, student_ids=teacher[len(head):],
             answer_start=len(stream.prompt), student_answer_start=len(stream.prompt) - len(head),
             b_ok=ok, b_reason=reason, a_tokens=len(answer_tokens),
+            answer_topk_ids=[ids for ids, _ in topk] if topk else None,
+            answer_topk_logprobs=[lp for _, lp in topk] if topk else None,
         )
     return rows
 
@@ -121,6 +127,7 @@ def _row(chunk: dict, config: SynthConfig, question: str, ok: bool, reason: str,
         "a_ok": ok, "b_ok": False, "a_reason": reason, "b_reason": "skipped" if not ok else "",
         "temperature_a": config.temperature_a, "max_q": config.max_q, "max_a": config.max_a,
         "rng_seed": int(chunk["rng_seed"]), "q_tokens": q_tokens, "a_tokens": 0,
+        "answer_topk_ids": None, "answer_topk_logprobs": None,
     }
 
 

@@ -1,5 +1,11 @@
 """Teacher pass: B's tokens teacher-forced through the frozen model with B's exact context.
 
+Bot B already computed that distribution at every answer token while it generated
+(greedy decoding reads the same model over the same ids); where it kept the top
+entries (`synth.keep_topk`), they are cut to this stage's top-k and mass and no
+forward runs. Conversations without them (re-tokenized answers, older artifacts,
+a deeper top-k than was kept) are computed here.
+
 Targets are keyed by position in the STUDENT sequence (the teacher sequence minus
 the chunk's system turn), which is where the training stage reads them.
 """
@@ -9,17 +15,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pyarrow as pa
+import torch
 
 from cartridges.models import LoadedModel
 from cartridges.sharing import SHARE_MIN
-from cartridges.targets import teacher_targets
+from cartridges.targets import cut_at_mass, teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
 from stages.fanout import Fanout
 from storage import StageContext, Store
 from storage.faults import fault_point
 
 NAME = "teacher"
-VERSION = 2
+VERSION = 3
 
 # Conversations per Parquet shard: the unit of work a crash can lose.
 SHARD = 32
@@ -31,21 +38,46 @@ def usable(conv: dict, filtered: bool = True) -> bool:
     return answered and (not filtered or bool(conv["a_ok"] and conv["b_ok"]))
 
 
+def kept(conv: dict, top_k: int, vocab: int) -> bool:
+    """Whether bot B kept this conversation's targets, at least `top_k` deep."""
+    ids = conv.get("answer_topk_ids")
+    if not ids or len(ids) != len(conv["teacher_ids"]) - conv["answer_start"]:
+        return False
+    return len(ids[0]) >= min(top_k, vocab)
+
+
+def _vocab(lm: LoadedModel) -> int:
+    return int(lm.model.get_output_embeddings().weight.shape[0])
+
+
+def kept_targets(conv: dict, config: TeacherConfig) -> list[tuple[list[int], list[float]]]:
+    """Bot B's kept entries cut to the teacher's top-k and mass, as the forward would cut them."""
+    ids = torch.tensor(conv["answer_topk_ids"], dtype=torch.long)[:, : config.top_k]
+    values = torch.tensor(conv["answer_topk_logprobs"], dtype=torch.float32)[:, : config.top_k]
+    return cut_at_mass(values, ids, config.top_mass)
+
+
 def target_rows(lm: LoadedModel, convs: list[dict], config: TeacherConfig) -> list[dict]:
-    rows = []
-    for start in range(0, len(convs), config.batch):
-        group = convs[start : start + config.batch]
-        targets = teacher_targets(
-            lm.model, [c["teacher_ids"] for c in group], [c["answer_start"] for c in group],
+    """Targets rows for `convs`: bot B's kept entries where it kept them, a forward for the rest."""
+    vocab = _vocab(lm)
+    targets: list = [kept_targets(c, config) if kept(c, config.top_k, vocab) else None for c in convs]
+    todo = [i for i, t in enumerate(targets) if t is None]
+    for start in range(0, len(todo), config.batch):
+        group = todo[start : start + config.batch]
+        computed = teacher_targets(
+            lm.model, [convs[i]["teacher_ids"] for i in group], [convs[i]["answer_start"] for i in group],
             config.top_k, config.top_mass, share_min=SHARE_MIN,
         )
-        for conv, per_position in zip(group, targets, strict=True):
-            for j, (ids, logprobs) in enumerate(per_position):
-                rows.append({
-                    "conv_id": conv["conv_id"], "position": conv["student_answer_start"] + j,
-                    "topk_ids": ids, "topk_logprobs": logprobs,
-                })
+        for i, per_position in zip(group, computed, strict=True):
+            targets[i] = per_position
         fault_point("teacher.batch")
+    rows = []
+    for conv, per_position in zip(convs, targets, strict=True):
+        for j, (ids, logprobs) in enumerate(per_position):
+            rows.append({
+                "conv_id": conv["conv_id"], "position": conv["student_answer_start"] + j,
+                "topk_ids": ids, "topk_logprobs": logprobs,
+            })
     return rows
 
 
@@ -74,8 +106,10 @@ def run(
         jobs = []
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
-            if shard not in done and fanout is not None:
-                needed = ["conv_id", "teacher_ids", "answer_start", "student_answer_start"]
+            needs_forward = not all(kept(c, config.top_k, _vocab(lm)) for c in group)
+            if shard not in done and fanout is not None and needs_forward:
+                needed = ["conv_id", "teacher_ids", "answer_start", "student_answer_start",
+                          "answer_topk_ids", "answer_topk_logprobs"]
                 jobs.append({"model": fanout.model, "config": config.to_dict(), "dir": str(ctx.dir),
                              "shard": shard, "conversations": [{k: c[k] for k in needed} for c in group]})
             elif shard not in done:

@@ -9,7 +9,7 @@ from cartridges.batch import Stream
 from cartridges.generate import generate
 from cartridges.sharing import common_length, shared_groups
 from cartridges.targets import teacher_targets
-from tests.tiny import tiny_llama, tiny_qwen3
+from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen3
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -77,3 +77,48 @@ def test_teacher_targets_behind_a_shared_head_equal_full_sequences():
         assert [ids_ for ids_, _ in a] == [ids_ for ids_, _ in b]
         torch.testing.assert_close(torch.tensor([lp for _, lp in a]), torch.tensor([lp for _, lp in b]),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", [tiny_llama, tiny_gemma3])
+def test_kept_topk_are_the_teacher_targets(family):
+    """What bot B keeps while it decodes (shared heads, one wide batch) is what the teacher
+    pass computes by running prompt plus answer again."""
+    lm = family()
+    streams = [Stream(p, max_new=5 + i % 3, keep_topk=8) for i, p in enumerate(chunk_major())]
+    out = generate(lm.model, streams, batch_size=len(streams), share_min=16)
+    full = [s.prompt + g.tokens for s, g in zip(streams, out, strict=True)]
+    reference = teacher_targets(lm.model, full, [len(s.prompt) for s in streams], k=8, mass=1.0)
+    for g, ref in zip(out, reference, strict=True):
+        assert len(g.topk) == len(g.tokens) == len(ref)
+        for (ids_kept, lp_kept), (ids_ref, lp_ref) in zip(g.topk, ref, strict=True):
+            assert ids_kept[0] == ids_ref[0]
+            torch.testing.assert_close(torch.tensor(lp_kept), torch.tensor(lp_ref[: len(lp_kept)]),
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_teacher_stage_reads_kept_targets_and_cuts_them_like_the_forward():
+    from schemas import TeacherConfig
+    from stages.teacher import target_rows
+
+    lm = tiny_llama()
+    streams = [Stream(p, max_new=6, keep_topk=20) for p in chunk_major(heads=2, per_head=2)]
+    out = generate(lm.model, streams, batch_size=len(streams), share_min=16)
+    convs = []
+    for i, (s, g) in enumerate(zip(streams, out, strict=True)):
+        conv = {"conv_id": i, "teacher_ids": s.prompt + g.tokens, "answer_start": len(s.prompt),
+                "student_answer_start": len(s.prompt) - 10}
+        convs.append({**conv, "answer_topk_ids": [t for t, _ in g.topk],
+                      "answer_topk_logprobs": [lp for _, lp in g.topk]})
+        convs.append({**conv, "conv_id": 100 + i})  # nothing kept: computed by a forward
+    config = TeacherConfig(top_k=5, top_mass=0.9)
+    rows = target_rows(lm, convs, config)
+    by_conv: dict[int, list] = {}
+    for r in rows:
+        by_conv.setdefault(r["conv_id"], []).append(r)
+    for i in range(len(streams)):
+        kept, computed = by_conv[i], by_conv[100 + i]
+        assert [r["position"] for r in kept] == [r["position"] for r in computed]
+        for a, b in zip(kept, computed, strict=True):
+            assert a["topk_ids"] == b["topk_ids"] and len(a["topk_ids"]) <= 5
+            torch.testing.assert_close(torch.tensor(a["topk_logprobs"]), torch.tensor(b["topk_logprobs"]),
+                                       atol=1e-4, rtol=1e-4)
