@@ -19,7 +19,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline clean
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline curve curve-plot clean
 
 setup: $(STAMP)
 
@@ -125,3 +125,12 @@ bench-serve: setup
 
 bench: setup
 	$(BIN)/python -m bench.run_all --json
+
+# The quality curve: closure against self-study conversations over (document, seed) points,
+# resumable (a rerun skips finished points; CURVE_ARGS passes e.g. --conversations 250 500).
+CURVE_ARGS ?=
+curve: setup
+	$(BIN)/python -m bench.curve run --dtype $(DTYPE) $(CURVE_ARGS) --json
+
+curve-plot: setup
+	$(BIN)/python -m bench.curve plot --markdown

@@ -1,0 +1,506 @@
+"""The quality curve: ICL-gap closure against the number of self-study conversations.
+
+QUALITY.md's rows are single budgets; whether more self-study helps on this model is a
+question of slope, which takes a grid of (conversations, seed, document) points, each a
+train plus an eval. At real budgets a point takes an hour or more, so the driver is
+resumable: every finished point is one line of a JSONL file (appended and fsynced), a
+rerun skips the points already there, and `cartridges train` itself resumes from the
+point's store (finished synthesis shards and checkpoints are kept). Points run in
+order of increasing conversations, so the cheap end of the curve lands first.
+
+    python -m bench.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
+        [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
+        [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"] [--json]
+    python -m bench.curve plot [--out docs/quality/curve.jsonl] [--png docs/quality/curve.png] [--markdown] [--json]
+
+`plot` draws both closures (accuracy and gold-option NLL) against conversations, the
+mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
+NLL closure linearly in log10(conversations) to say where it would reach 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EVAL_DIR = REPO / "docs" / "eval"
+DEFAULT_OUT = "docs/quality/curve.jsonl"
+DEFAULT_PNG = "docs/quality/curve.png"
+DEFAULT_STORE = "artifacts/curve"
+TARGET = 0.5  # the NLL closure the quality note asks about
+ARMS = ("bare", "icl", "cartridge")
+ARM_FIELDS = ("accuracy", "accuracy_ci", "gold_nll", "gold_nll_ci", "accuracy_gen")
+CLOSURES = ("icl_gap_closure", "icl_gap_closure_nll")
+TRAIN_FIELDS = ("health", "health_reason", "heldout_loss_before", "heldout_loss_after", "heldout_conversations",
+                "steps", "p", "lr", "supervised_tokens", "train_seconds", "synth_seconds", "s_per_conversation",
+                "a_ok_rate", "b_degenerate_rate", "coverage_min", "coverage_mean", "fact_coverage", "seconds",
+                "run_id", "skipped")  # skipped: stages reused from the store (a resumed point's wall time is partial)
+VERSION = 1
+
+# argv -> (exit status, stdout). Injected in tests so no model runs.
+Runner = Callable[[list[str]], tuple[int, str]]
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+_QUIET = re.compile(r"^step\s+\d+\s+loss ")  # train's per-step lines: thousands at large budgets
+
+
+def run_command(argv: list[str]) -> tuple[int, str]:
+    """Run a CLI subprocess from the repository root; its stderr (progress bars) passes through,
+    its stdout is kept for the JSON line and relayed to stderr except per-step loss lines."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    lines = []
+    with subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        try:
+            for line in proc.stdout:
+                lines.append(line)
+                if not line.startswith("{") and not _QUIET.match(line):
+                    sys.stderr.write("  | " + line)
+                    sys.stderr.flush()
+        except BaseException:  # killed or interrupted: stop the child too, or it trains on unowned
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    return proc.returncode, "".join(lines)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through run_command, which stops the child
+
+
+def last_json(stdout: str) -> dict:
+    """The last stdout line as a JSON object (the CLI's --json contract)."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("no output")
+    obj = json.loads(lines[-1])
+    if not isinstance(obj, dict):
+        raise ValueError("last line is not a JSON object")
+    return obj
+
+
+def doc_path(doc: str) -> Path:
+    """A document name of the eval set (raft) or a path to a document."""
+    path = Path(doc)
+    if path.suffix or os.sep in doc:
+        return path.resolve()
+    return EVAL_DIR / f"{doc}.md"
+
+
+def doc_name(doc: str) -> str:
+    return Path(doc).stem
+
+
+def point_key(record: dict) -> tuple:
+    """What makes two points the same measurement."""
+    return (record["doc"], int(record["seed"]), int(record["conversations_planned"]), record["dtype"],
+            record.get("eval_dtype"), tuple(record.get("extra_train_args") or ()),
+            tuple(record.get("extra_eval_args") or ()))
+
+
+def read_records(path: Path) -> list[dict]:
+    """Finished points; a damaged line (a write cut by a kill) is reported and ignored."""
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            log(f"curve: {path}:{number}: not JSON (a cut write?), ignored")
+            continue
+        if isinstance(record, dict) and record.get("status") == "done":
+            records.append(record)
+    return records
+
+
+def append_record(path: Path, record: dict) -> None:
+    """One line, flushed and fsynced: a kill loses at most the point in progress."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as fh:
+        if fh.tell() > 0:
+            with open(path, "rb") as check:
+                check.seek(-1, os.SEEK_END)
+                if check.read(1) != b"\n":
+                    fh.write(b"\n")  # end a line cut by an earlier kill so this one parses
+        fh.write((json.dumps(record, sort_keys=True) + "\n").encode())
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def point_dir(store: Path, doc: str, seed: int, n: int, dtype: str, extra: Sequence[str]) -> Path:
+    """<store>/<doc>-s<S>-n<N>, with a tag when the dtype or extra arguments differ from the
+    defaults, so another configuration does not overwrite the default point's cartridge."""
+    name = f"{doc}-s{seed}-n{n}"
+    if dtype != "bfloat16" or extra:
+        name += "-" + hashlib.sha256(json.dumps([dtype, list(extra)]).encode()).hexdigest()[:8]
+    return store / name
+
+
+def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "cli.main", "train", "--corpus", str(doc_path(doc)), "--conversations", str(n),
+            "--seed", str(seed), "--dtype", dtype, "--store", str(directory),
+            "--save", str(directory / "cartridge.safetensors"), *extra, "--json"]
+
+
+def eval_argv(qa: Path, doc: str, cartridge: str, eval_store: Path, dtype: str, peers: bool,
+              extra: Sequence[str] = ()) -> list[str]:
+    """The eval keeps only the questions whose "doc" is in --corpus, so the shared question file
+    needs no filtering; one eval store for all points reuses the bare, ICL and full-KV arms."""
+    return [sys.executable, "-m", "cli.main", "eval", "--qa", str(qa), "--cartridge", cartridge,
+            "--corpus", str(doc_path(doc)), "--store", str(eval_store), "--dtype", dtype,
+            *([] if peers else ["--no-peers"]), *extra, "--json"]
+
+
+def make_record(doc: str, seed: int, n: int, dtype: str, eval_dtype: str, extra: Sequence[str], train: dict,
+                evaluation: dict, train_wall: float, eval_wall: float, directory: Path,
+                extra_eval: Sequence[str] = ()) -> dict:
+    record = {
+        "version": VERSION, "status": "done", "doc": doc, "seed": seed, "conversations_planned": n,
+        "conversations_used": train.get("conversations"), "planned_conversations_train": train.get(
+            "planned_conversations"), "dtype": dtype, "eval_dtype": eval_dtype, "extra_train_args": list(extra),
+        "extra_eval_args": list(extra_eval),
+        "train_wall_s": train_wall, "eval_wall_s": eval_wall, "store": str(directory),
+        "cartridge": train.get("cartridge"), "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "questions": evaluation.get("questions"),
+    }
+    record["train"] = {k: train[k] for k in TRAIN_FIELDS if k in train}
+    before, after = train.get("heldout_loss_before"), train.get("heldout_loss_after")
+    record["heldout_change"] = (after - before) / before if before and after is not None else None
+    arms = evaluation.get("arms") or {}
+    record["arms"] = {arm: {k: arms[arm][k] for k in ARM_FIELDS if k in arms[arm]} for arm in ARMS if arm in arms}
+    for name in CLOSURES:
+        c = evaluation.get(name) or {}
+        record[name] = {k: c.get(k) for k in ("value", "ci", "reason", "ci_left_out")}
+    return record
+
+
+def plan(docs: Iterable[str], seeds: Iterable[int], conversations: Iterable[int]) -> list[tuple[str, int, int]]:
+    """(doc, seed, n) in order of increasing n: the cheap points finish first."""
+    return [(d, s, n) for n in sorted(set(conversations)) for s in seeds for d in docs]
+
+
+def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence[int], dtype: str, out: Path,
+              store: Path, extra: Sequence[str] = (), eval_dtype: str = "float32", qa: Path = EVAL_DIR / "questions.jsonl",
+              peers: bool = False, extra_eval: Sequence[str] = (), runner: Runner = run_command) -> dict:
+    """Run every point not yet in `out`; returns what ran, what was skipped and what failed."""
+    done = {point_key(r) for r in read_records(out)}
+    ran, skipped, failed = [], [], []
+    points = plan(docs, seeds, conversations)
+    for i, (doc, seed, n) in enumerate(points, 1):
+        name = doc_name(doc)
+        key = (name, seed, n, dtype, eval_dtype, tuple(extra), tuple(extra_eval))
+        label = f"{name} seed {seed} n {n}"
+        if key in done:
+            log(f"curve: [{i}/{len(points)}] {label}: in {out}, skipped")
+            skipped.append(label)
+            continue
+        directory = point_dir(store, name, seed, n, dtype, extra)
+        log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
+        start = time.perf_counter()
+        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra))
+        train_wall = time.perf_counter() - start
+        try:
+            train = last_json(stdout)
+        except ValueError as exc:
+            train = None
+            why = f"train exit {code}, no JSON ({exc})"
+        if train is not None and code not in (0, 3):  # 3: failed health check, cartridge kept
+            train, why = None, f"train exit {code}"
+        if train is None:
+            log(f"curve: {label}: {why}; point not recorded (rerun to resume)")
+            failed.append({"point": label, "stage": "train", "reason": why})
+            continue
+        if code == 3:
+            log(f"curve: {label}: training health check failed ({train.get('health_reason')}); evaluating anyway")
+        cartridge = train.get("cartridge") or str(directory / "cartridge.safetensors")
+        log(f"curve: {label}: trained in {train_wall / 60:.1f} min; eval")
+        start = time.perf_counter()
+        code, stdout = runner(eval_argv(qa, doc, cartridge, store / "eval-store", eval_dtype, peers, extra_eval))
+        eval_wall = time.perf_counter() - start
+        try:
+            evaluation = last_json(stdout) if code == 0 else None
+        except ValueError:
+            evaluation = None
+        if evaluation is None:
+            log(f"curve: {label}: eval exit {code}; point not recorded (rerun to resume)")
+            failed.append({"point": label, "stage": "eval", "reason": f"eval exit {code}"})
+            continue
+        record = make_record(name, seed, n, dtype, eval_dtype, extra, train, evaluation, train_wall, eval_wall,
+                             directory, extra_eval)
+        append_record(out, record)
+        done.add(key)
+        ran.append(label)
+        log(f"curve: {label}: NLL closure {_num(record['icl_gap_closure_nll']['value'])}, accuracy closure "
+            f"{_num(record['icl_gap_closure']['value'])} (train {train_wall / 60:.1f} min, eval {eval_wall / 60:.1f} min)")
+    return {"out": str(out), "ran": ran, "skipped": skipped, "failed": failed, "points": len(points)}
+
+
+# ---- aggregation
+
+
+def bootstrap_mean_ci(values: Sequence[float], samples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """95% percentile interval of the mean, resampling (doc, seed) points; None for fewer than two."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=float)
+    if x.size < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(samples, x.size))].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _closure(record: dict, name: str) -> float | None:
+    value = (record.get(name) or {}).get("value")
+    return float(value) if value is not None else None
+
+
+def _acc(record: dict, arm: str) -> float | None:
+    return (record.get("arms") or {}).get(arm, {}).get("accuracy")
+
+
+def aggregate(records: Sequence[dict]) -> list[dict]:
+    """One row per planned conversations: means over (doc, seed) points and their intervals.
+    Undefined closures (ICL not ahead of bare) are left out of a mean and counted."""
+    rows = []
+    for n in sorted({int(r["conversations_planned"]) for r in records}):
+        group = [r for r in records if int(r["conversations_planned"]) == n]
+        row: dict = {"conversations": n, "points": len(group),
+                     "health_failed": sum(1 for r in group if (r.get("train") or {}).get("health") == "failed")}
+        for name, short in (("icl_gap_closure_nll", "nll_closure"), ("icl_gap_closure", "acc_closure")):
+            vals = [v for v in (_closure(r, name) for r in group) if v is not None]
+            row[short] = _mean(vals)
+            row[f"{short}_ci"] = bootstrap_mean_ci(vals)
+            row[f"{short}_points"] = len(vals)
+        for arm in ARMS:
+            row[f"{arm}_accuracy"] = _mean([v for v in (_acc(r, arm) for r in group) if v is not None])
+        row["train_wall_min"] = _mean([r["train_wall_s"] / 60 for r in group if r.get("train_wall_s") is not None])
+        used = [r["conversations_used"] for r in group if r.get("conversations_used") is not None]
+        row["conversations_used"] = _mean(used)
+        rows.append(row)
+    return rows
+
+
+def per_doc(records: Sequence[dict], name: str) -> dict[str, list[tuple[int, float]]]:
+    """Per document: (n, mean closure over seeds), for the thin lines."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for doc in sorted({r["doc"] for r in records}):
+        for n in sorted({int(r["conversations_planned"]) for r in records if r["doc"] == doc}):
+            vals = [v for v in (_closure(r, name) for r in records
+                                if r["doc"] == doc and int(r["conversations_planned"]) == n) if v is not None]
+            if vals:
+                out.setdefault(doc, []).append((n, sum(vals) / len(vals)))
+    return out
+
+
+def fit(rows: Sequence[dict], key: str = "nll_closure", target: float = TARGET) -> dict:
+    """Least squares of the per-n mean closure on log10(n), and the n where the line reaches
+    `target` (an extrapolation when beyond the grid; None when the slope is not positive)."""
+    pts = [(math.log10(r["conversations"]), r[key]) for r in rows if r.get(key) is not None]
+    out: dict = {"metric": key, "target": target, "points": len(pts), "slope_per_decade": None,
+                 "intercept": None, "n_at_target": None, "reason": None}
+    if len(pts) < 2 or len({x for x, _ in pts}) < 2:
+        out["reason"] = "needs means at two or more conversation counts"
+        return out
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    intercept = my - slope * mx
+    out.update(slope_per_decade=slope, intercept=intercept)
+    if slope <= 0:
+        out["reason"] = "the closure does not rise with conversations"
+    else:
+        out["n_at_target"] = 10 ** ((target - intercept) / slope)
+        out["extrapolated"] = out["n_at_target"] > max(r["conversations"] for r in rows)
+    return out
+
+
+# ---- output
+
+
+def _num(value: float | None, fmt: str = "{:.2f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _ci(ci: Sequence[float] | None) -> str:
+    return "" if not ci else f" ({ci[0]:.2f} to {ci[1]:.2f})"
+
+
+def fit_line(f: dict) -> str:
+    if f["n_at_target"] is None:
+        return f"fit: mean NLL closure vs log10(conversations): {f['reason']}" + (
+            f" (slope {f['slope_per_decade']:+.3f} per decade)" if f["slope_per_decade"] is not None else "")
+    where = "extrapolated" if f.get("extrapolated") else "within the grid"
+    return (f"fit: mean NLL closure = {f['intercept']:+.3f} {f['slope_per_decade']:+.3f} * log10(conversations); "
+            f"reaches {f['target']} at about {f['n_at_target']:,.0f} conversations ({where}, {f['points']} means)")
+
+
+def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
+    lines = ["| conversations (used) | points | NLL closure (95% CI) | accuracy closure (95% CI) | bare | cartridge "
+             "| ICL | health failed | train min |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        acc_note = "" if r["acc_closure_points"] == r["points"] else f" [{r['acc_closure_points']} defined]"
+        lines.append(
+            f"| {r['conversations']:,} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
+            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])} "
+            f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{acc_note} | {_pct(r['bare_accuracy'])} "
+            f"| {_pct(r['cartridge_accuracy'])} | {_pct(r['icl_accuracy'])} | {r['health_failed']} "
+            f"| {_num(r['train_wall_min'], '{:.1f}')} |")
+    lines += ["", fit_line(f), "",
+              "| doc | seed | conversations (used) | held-out change | bare / cartridge / ICL accuracy "
+              "| gold NLL bare / cartridge / ICL | NLL closure (95% CI) | accuracy closure (95% CI) | train min "
+              "| eval min |", "|---|---|---|---|---|---|---|---|---|---|"]
+    order = sorted(records, key=lambda r: (int(r["conversations_planned"]), r["doc"], int(r["seed"])))
+    for r in order:
+        arms = r.get("arms") or {}
+        shown = ("bare", "cartridge", "icl")  # the header's order
+        nll = " / ".join(_num(arms.get(a, {}).get("gold_nll")) for a in shown)
+        acc = " / ".join(_pct(arms.get(a, {}).get("accuracy")) for a in shown)
+        health = "" if (r.get("train") or {}).get("health", "ok") == "ok" else " (health failed)"
+        closures = [f"{_num(c.get('value'))}{_ci(c.get('ci'))}" if c.get("value") is not None
+                    else f"n/a ({c.get('reason')})" for c in (r.get("icl_gap_closure_nll") or {},
+                                                              r.get("icl_gap_closure") or {})]
+        resumed = " (resumed)" if (r.get("train") or {}).get("skipped") else ""
+        change = _num(r.get("heldout_change") and 100 * r["heldout_change"], "{:+.1f}%")
+        lines.append(
+            f"| {r['doc']} | {r['seed']} | {int(r['conversations_planned']):,} ({r.get('conversations_used')}) "
+            f"| {change}{health} | {acc} | {nll} | {closures[0]} | {closures[1]} "
+            f"| {_num(r.get('train_wall_s') and r['train_wall_s'] / 60, '{:.1f}')}{resumed} "
+            f"| {_num(r.get('eval_wall_s') and r['eval_wall_s'] / 60, '{:.1f}')} |")
+    return "\n".join(lines)
+
+
+def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) -> None:
+    """Two panels (accuracy closure, gold-NLL closure) against log conversations."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    panels = (("icl_gap_closure", "acc_closure", "accuracy ICL-gap closure"),
+              ("icl_gap_closure_nll", "nll_closure", "gold-option NLL ICL-gap closure"))
+    for ax, (name, key, title) in zip(axes, panels, strict=True):
+        for doc, pts in per_doc(records, name).items():
+            ax.plot([n for n, _ in pts], [v for _, v in pts], lw=0.8, alpha=0.6, marker=".", label=doc)
+        mean = [(r["conversations"], r[key], r[f"{key}_ci"]) for r in rows if r[key] is not None]
+        if mean:
+            xs = [n for n, _, _ in mean]
+            ax.plot(xs, [v for _, v, _ in mean], color="black", lw=2, marker="o", label="mean over (doc, seed)")
+            band = [(n, ci) for n, _, ci in mean if ci]
+            if band:
+                ax.fill_between([n for n, _ in band], [ci[0] for _, ci in band], [ci[1] for _, ci in band],
+                                color="black", alpha=0.12, label="95% bootstrap interval")
+        if key == "nll_closure" and f.get("slope_per_decade") is not None and mean:
+            lo, hi = min(xs), max(xs)
+            if f.get("n_at_target"):
+                hi = max(hi, min(f["n_at_target"], hi * 100))
+            grid = [lo * (hi / lo) ** (i / 50) for i in range(51)] if hi > lo else [lo]
+            ax.plot(grid, [f["intercept"] + f["slope_per_decade"] * math.log10(x) for x in grid],
+                    color="tab:red", ls="--", lw=1, label="fit (log10 n)")
+        ax.axhline(TARGET, color="tab:green", ls=":", lw=1, label=f"target {TARGET}")
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("planned self-study conversations")
+        ax.set_title(title)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("closure: (cartridge - bare) / (ICL - bare)")
+    axes[1].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    tmp = png.with_name(png.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    os.replace(tmp, png)
+
+
+def plot(out: Path, png: Path) -> dict:
+    records = read_records(out)
+    if not records:
+        raise SystemExit(f"curve: {out} holds no finished point; run `python -m bench.curve run` first")
+    rows = aggregate(records)
+    f = fit(rows)
+    plot_png(records, rows, f, png)
+    return {"out": str(out), "png": str(png), "points": len(records), "rows": rows, "fit": f}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.curve", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="train and evaluate every point not yet in the results file")
+    p.add_argument("--docs", nargs="+", default=["raft", "photosynthesis", "panama"],
+                   help="eval documents by name (docs/eval/NAME.md) or paths")
+    p.add_argument("--seeds", nargs="+", type=int, default=[7, 8])
+    p.add_argument("--conversations", nargs="+", type=int, default=[250, 500, 1000, 2000])
+    p.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="training dtype (self-study)")
+    p.add_argument("--eval-dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="eval dtype (float32: the bare and ICL arms of QUALITY.md)")
+    p.add_argument("--qa", default=str(EVAL_DIR / "questions.jsonl"))
+    p.add_argument("--peers", action="store_true", help="also score the KV-compression peer arms")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--store", default=DEFAULT_STORE)
+    p.add_argument("--extra-train-args", default="", help="further `cartridges train` options, one string")
+    p.add_argument("--extra-eval-args", default="", help="further `cartridges eval` options, one string")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("plot", help="the curve as a PNG, a Markdown table and a log-linear fit")
+    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--png", default=DEFAULT_PNG)
+    p.add_argument("--markdown", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        summary = run_curve(args.docs, args.seeds, args.conversations, args.dtype, Path(args.out).resolve(),
+                            Path(args.store).resolve(), shlex.split(args.extra_train_args), args.eval_dtype,
+                            Path(args.qa).resolve(), args.peers, shlex.split(args.extra_eval_args))
+        log(f"curve: {len(summary['ran'])} ran, {len(summary['skipped'])} skipped, {len(summary['failed'])} failed "
+            f"of {summary['points']} points; results in {summary['out']}")
+        if args.json:
+            print(json.dumps(summary), flush=True)
+        return 1 if summary["failed"] else 0
+    result = plot(Path(args.out), Path(args.png))
+    if args.markdown:
+        print(markdown(read_records(Path(args.out)), result["rows"], result["fit"]))
+    else:
+        print(fit_line(result["fit"]))
+    print(f"plot: {result['png']} ({result['points']} points)")
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The quality-curve driver: resume, aggregation, fit and plot, with an injected runner (no model)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench import curve
+
+
+def _train_json(n: int) -> dict:
+    return {"conversations": n - 10, "planned_conversations": n, "health": "ok", "health_reason": None,
+            "heldout_loss_before": 1.25, "heldout_loss_after": 1.2, "steps": n // 4, "losses": [1.0] * 3,
+            "cartridge": "/x/cartridge.safetensors", "seconds": 12.0, "skipped": []}
+
+
+def _eval_json(nll_closure: float | None, acc_closure: float | None = 0.25) -> dict:
+    arm = {"accuracy": 0.5, "accuracy_ci": [0.3, 0.7], "gold_nll": 3.0, "gold_nll_ci": [2.5, 3.5],
+           "kv_rows": 10, "ttft_s": 0.1}
+    return {"questions": 36, "arms": {"bare": arm, "icl": {**arm, "accuracy": 0.75}, "cartridge": arm,
+                                      "full_kv": arm},
+            "icl_gap_closure": {"value": acc_closure, "reason": None, "metric": "accuracy", "ci": [-0.1, 0.6],
+                                "arm": "cartridge"},
+            "icl_gap_closure_nll": {"value": nll_closure, "reason": None, "metric": "gold_nll", "ci": [0.0, 0.4],
+                                    "ci_left_out": 3, "arm": "cartridge"}}
+
+
+class FakeRunner:
+    """Answers `train` and `eval` argv with canned JSON and records which points it was asked for."""
+
+    def __init__(self, train_code: int = 0):
+        self.calls: list[list[str]] = []
+        self.train_code = train_code
+
+    def __call__(self, argv: list[str]) -> tuple[int, str]:
+        self.calls.append(argv)
+        if "train" in argv:
+            n = int(argv[argv.index("--conversations") + 1])
+            return self.train_code, "step    0  loss 1.0\nsummary line\n" + json.dumps(_train_json(n)) + "\n"
+        return 0, "| arm | ... |\n" + json.dumps(_eval_json(0.2)) + "\n"
+
+    def points(self, command: str) -> list[tuple[str, str]]:
+        out = []
+        for argv in self.calls:
+            if command in argv:
+                corpus = argv[argv.index("--corpus") + 1]
+                out.append((corpus.rsplit("/", 1)[-1], argv[argv.index("--seed") + 1] if "--seed" in argv else ""))
+        return out
+
+
+def test_run_skips_finished_points_and_runs_the_rest_in_order_of_n(tmp_path):
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    finished = curve.make_record("raft", 7, 8, "bfloat16", "float32", [], _train_json(8), _eval_json(0.1), 1.0, 1.0,
+                                 store / "raft-s7-n8")
+    curve.append_record(out, finished)
+    runner = FakeRunner()
+    summary = curve.run_curve(["raft", "panama"], [7], [16, 8], "bfloat16", out, store, runner=runner)
+    assert summary["skipped"] == ["raft seed 7 n 8"]
+    assert summary["ran"] == ["panama seed 7 n 8", "raft seed 7 n 16", "panama seed 7 n 16"]
+    assert summary["failed"] == []
+    trains = [a for a in runner.calls if "train" in a]
+    assert [a[a.index("--conversations") + 1] for a in trains] == ["8", "16", "16"]
+    assert all(a[a.index("--dtype") + 1] == "bfloat16" and a[-1] == "--json" for a in trains)
+    evals = [a for a in runner.calls if "eval" in a]
+    assert len(evals) == 3 and all("--no-peers" in a and a[a.index("--dtype") + 1] == "float32" for a in evals)
+    assert evals[0][evals[0].index("--corpus") + 1].endswith("docs/eval/panama.md")
+    records = curve.read_records(out)
+    assert [(r["doc"], r["conversations_planned"]) for r in records] == [
+        ("raft", 8), ("panama", 8), ("raft", 16), ("panama", 16)]
+    r = records[-1]
+    assert r["conversations_used"] == 6 and r["arms"]["icl"]["accuracy"] == 0.75 and "full_kv" not in r["arms"]
+    assert r["icl_gap_closure_nll"] == {"value": 0.2, "ci": [0.0, 0.4], "reason": None, "ci_left_out": 3}
+    assert r["heldout_change"] == pytest.approx(-0.04)
+    assert r["train"]["steps"] == 4
+
+    again = FakeRunner()
+    summary = curve.run_curve(["raft", "panama"], [7], [16, 8], "bfloat16", out, store, runner=again)
+    assert summary["ran"] == [] and len(summary["skipped"]) == 4 and again.calls == []
+
+    # other extra arguments are another measurement, with its own store directory
+    other = FakeRunner()
+    summary = curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra=["--p", "512"], runner=other)
+    assert summary["ran"] == ["raft seed 7 n 8"]
+    train_argv = other.calls[0]
+    assert train_argv[-3:] == ["--p", "512", "--json"]
+    assert train_argv[train_argv.index("--store") + 1] != str(store / "raft-s7-n8")
+    assert curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra=["--p", "512"],
+                           runner=FakeRunner())["skipped"] == ["raft seed 7 n 8"]
+    # so are other eval arguments; they reach the eval command only
+    other = FakeRunner()
+    summary = curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra_eval=["--max-new", "8"], runner=other)
+    assert summary["ran"] == ["raft seed 7 n 8"]
+    assert "--max-new" not in other.calls[0] and other.calls[1][-3:] == ["--max-new", "8", "--json"]
+
+
+def test_a_failed_train_is_not_recorded_and_a_cut_line_is_survived(tmp_path):
+    out = tmp_path / "curve.jsonl"
+    out.write_text('{"status": "done", "doc": "raf')  # a write cut by a kill
+    summary = curve.run_curve(["raft"], [7], [8], "bfloat16", out, tmp_path / "s", runner=FakeRunner(train_code=2))
+    assert summary["ran"] == [] and summary["failed"][0]["stage"] == "train"
+    assert curve.read_records(out) == []
+    # exit 3 (failed health check) keeps the cartridge: the point is evaluated and recorded
+    summary = curve.run_curve(["raft"], [7], [8], "bfloat16", out, tmp_path / "s", runner=FakeRunner(train_code=3))
+    assert summary["ran"] == ["raft seed 7 n 8"]
+    assert [r["doc"] for r in curve.read_records(out)] == ["raft"]
+    assert out.read_text().splitlines()[0] == '{"status": "done", "doc": "raf'
+
+
+def _synthetic(doc: str, seed: int, n: int, nll: float | None, acc: float | None, cart: float = 0.5) -> dict:
+    ev = _eval_json(nll, acc)
+    ev["arms"]["cartridge"] = {**ev["arms"]["cartridge"], "accuracy": cart}
+    return curve.make_record(doc, seed, n, "bfloat16", "float32", [], _train_json(n), ev, 60.0 * n / 100, 30.0,
+                             curve.Path("/s"))
+
+
+def test_aggregate_and_fit_match_a_hand_computation():
+    records = [_synthetic("raft", 7, 100, 0.0, 0.1), _synthetic("panama", 7, 100, 0.2, None),
+               _synthetic("raft", 7, 1000, 0.2, 0.3, cart=0.75), _synthetic("panama", 7, 1000, 0.4, 0.5, cart=0.25)]
+    rows = curve.aggregate(records)
+    assert [r["conversations"] for r in rows] == [100, 1000]
+    r100, r1000 = rows
+    assert r100["points"] == 2 and r100["nll_closure"] == pytest.approx(0.1)
+    assert r100["acc_closure"] == pytest.approx(0.1) and r100["acc_closure_points"] == 1  # None left out
+    assert r100["acc_closure_ci"] is None  # one defined point: no interval
+    assert r1000["nll_closure"] == pytest.approx(0.3) and r1000["acc_closure"] == pytest.approx(0.4)
+    assert r1000["cartridge_accuracy"] == pytest.approx(0.5) and r1000["icl_accuracy"] == pytest.approx(0.75)
+    assert r100["train_wall_min"] == pytest.approx(1.0) and r1000["train_wall_min"] == pytest.approx(10.0)
+    # two points a and b: the resampled means are a, (a+b)/2, b with weights 1/4, 1/2, 1/4,
+    # so the 2.5th and 97.5th percentiles of 2,000 resamples are a and b
+    assert r1000["nll_closure_ci"] == pytest.approx((0.2, 0.4))
+    assert curve.bootstrap_mean_ci([0.3, 0.3, 0.3]) == pytest.approx((0.3, 0.3))
+
+    f = curve.fit(rows)
+    # means 0.1 at log10 n = 2 and 0.3 at 3: slope 0.2 per decade, intercept -0.3, 0.5 at 10^4
+    assert f["slope_per_decade"] == pytest.approx(0.2) and f["intercept"] == pytest.approx(-0.3)
+    assert f["n_at_target"] == pytest.approx(1e4) and f["extrapolated"] is True
+
+    three = curve.fit([{"conversations": 10, "nll_closure": 0.0}, {"conversations": 100, "nll_closure": 0.3},
+                       {"conversations": 1000, "nll_closure": 0.3}])
+    # x = 1, 2, 3; y = 0, .3, .3: slope = sum((x-2)(y-.2)) / 2 = (.2 + .1) / 2 = .15; intercept = .2 - .3 = -.1
+    assert three["slope_per_decade"] == pytest.approx(0.15) and three["intercept"] == pytest.approx(-0.1)
+    assert three["n_at_target"] == pytest.approx(10 ** 4)
+    flat = curve.fit([{"conversations": 10, "nll_closure": 0.2}, {"conversations": 100, "nll_closure": 0.1}])
+    assert flat["n_at_target"] is None and flat["reason"]
+    assert curve.fit(rows[:1])["slope_per_decade"] is None
+
+    text = curve.markdown(records, rows, f)
+    assert "| 0.10 [1 defined] |" in text.split("\n")[2]  # one defined accuracy point: no interval
+    assert "10,000 conversations" in text
+    assert "(resumed)" not in text
+    records[0]["train"]["skipped"] = ["ingest", "chunks", "synthesize"]
+    assert curve.markdown(records, rows, f).count("(resumed)") == 1
+
+
+def test_plot_writes_a_png_and_the_cli_prints_the_fit(tmp_path, capsys):
+    out, png = tmp_path / "curve.jsonl", tmp_path / "plots" / "curve.png"
+    for rec in (_synthetic("raft", 7, 100, 0.0, 0.1), _synthetic("raft", 8, 100, 0.1, 0.1),
+                _synthetic("panama", 7, 1000, 0.3, None), _synthetic("raft", 7, 1000, 0.3, 0.2)):
+        curve.append_record(out, rec)
+    assert curve.main(["plot", "--out", str(out), "--png", str(png), "--markdown", "--json"]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert not png.with_name(png.name + ".tmp").exists()
+    stdout = capsys.readouterr().out
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["points"] == 4 and [r["conversations"] for r in summary["rows"]] == [100, 1000]
+    assert math.isclose(summary["fit"]["n_at_target"], 10 ** (2 + (0.5 - 0.05) / 0.25))
+    assert "| doc | seed |" in stdout and "fit: mean NLL closure" in stdout
+
+
+def test_plot_without_results_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no finished point"):
+        curve.main(["plot", "--out", str(tmp_path / "none.jsonl"), "--png", str(tmp_path / "c.png")])
