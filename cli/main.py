@@ -65,6 +65,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--max-a", "synth", "max_a", int),
     ("--temperature-a", "synth", "temperature_a", float),
     ("--gen-batch", "synth", "gen_batch", int),
+    ("--keep-topk", "synth", "keep_topk", int),
     ("--top-k", "teacher", "top_k", int),
     ("--top-mass", "teacher", "top_mass", float),
     ("--p", "train", "p", int),
