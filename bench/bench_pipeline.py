@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-q", type=int, default=None, help="bot A's budget (default: the config's)")
     ap.add_argument("--gen-batch", type=int, default=None, help="the pipeline's generation width (default: the config's)")
     ap.add_argument("--per-chunk", type=int, default=None, help="conversations per span (default: the config's)")
+    ap.add_argument("--spec-b", type=int, default=None, help="bot B's draft tokens per step (default: the config's)")
     ap.add_argument("--no-reference", action="store_true", help="time the pipeline path only")
     ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
     args = ap.parse_args(argv)
@@ -162,8 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
     contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
     synth = SynthConfig()
     synth = replace(synth, max_a=args.max_a or synth.max_a, max_q=args.max_q or synth.max_q)
-    ref_synth = replace(synth, gen_batch=16)  # the reference generates at batch 16
-    synth = replace(synth, gen_batch=args.gen_batch or synth.gen_batch)
+    ref_synth = replace(synth, gen_batch=16, keep_topk=0)  # batch 16, and a teacher pass of its own
+    synth = replace(synth, gen_batch=args.gen_batch or synth.gen_batch,
+                    spec_b=synth.spec_b if args.spec_b is None else args.spec_b)
     train_cfg = TrainConfig()
 
     load_before = os.getloadavg()[0]
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(lm.device),
         "per_chunk": chunk_cfg.per_chunk,
         "gen_batch": synth.gen_batch,
+        "spec_b": synth.spec_b,
         "corpus_tokens": len(ids),
         "threads": torch.get_num_threads(),
         "load_average": [round(load_before, 2), round(load_after, 2)],

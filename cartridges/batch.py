@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from cartridges.drafts import Drafter
 from cartridges.models import cache_keyword, project, read_cache
 from cartridges.prefix import Rows, attention_masks, forward_behind, prefix_length
 from cartridges.targets import top_entries
@@ -38,6 +39,8 @@ class Stream:
     stop_ids: tuple[int, ...] = ()
     loop_span: int = 0  # > 0: end the stream once a window of this many tokens recurs
     keep_topk: int = 0  # > 0: keep each step's top-k log-probabilities (the teacher's targets, for free)
+    draft: int = 0  # > 0 (greedy only): verify up to this many prompt-lookup tokens per step
+    draft_reference: Sequence[int] = ()  # further text drafts may come from (a cartridge's corpus)
 
 
 @dataclass
@@ -55,6 +58,10 @@ class Running:
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # with keep_kv: its rows when it left
     generator: torch.Generator | None = field(default=None, repr=False)
     windows: set[tuple[int, ...]] = field(default_factory=set, repr=False)
+    drafter: Drafter | None = field(default=None, repr=False)
+    new: int = 0  # tokens the last `choose` appended (more than one when drafts were accepted)
+    drafted: int = 0  # draft tokens verified so far
+    accepted: int = 0  # of which greedy decoding chose
 
 
 class Batch:
@@ -74,7 +81,8 @@ class Batch:
         self.cache: BatchCache | None = None
         self.allowed = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, T] readable columns
         self.positions = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] next position
-        self.logits: torch.Tensor | None = None  # [B, vocab] pending choice
+        self.logits: torch.Tensor | None = None  # [B, vocab] pending choice; [B, 1 + drafts, vocab] after drafts
+        self.fed: list[list[int]] = []  # per stream, the draft tokens the pending logits verify
 
     def __len__(self) -> int:
         return len(self.states)
@@ -109,7 +117,8 @@ class Batch:
         positions = torch.tensor([p + n for n in lengths], dtype=torch.long, device=self.device)
         tags = list(tags) if tags is not None else [None] * len(streams)
         new = [
-            Running(stream=s, tag=t, prefix_rows=p, keep_kv=keep_kv, generator=_generator(s, self.device))
+            Running(stream=s, tag=t, prefix_rows=p, keep_kv=keep_kv, generator=_generator(s, self.device),
+                    drafter=_drafter(s))
             for s, t in zip(streams, tags, strict=True)
         ]
         # Room for every token any stream may still write, so steps never regrow the cache.
@@ -120,80 +129,146 @@ class Batch:
         if self.cache is None or not self.states:
             self.cache = BatchCache(layers, room)
             self.allowed, self.positions, self.logits = allowed, positions, logits
+            self.fed = [[] for _ in streams]
         else:
             self.cache.extend(layers, room)
             total = self.cache.length
             self.allowed = torch.cat([_pad_left(self.allowed, total), _pad_left(allowed, total)])
             self.positions = torch.cat([self.positions, positions])
             assert self.logits is not None, "join between choose and advance"
+            if self.logits.dim() == 3:  # the running streams verify drafts; the new ones have one row
+                logits = torch.cat([logits[:, None], logits.new_zeros(len(streams), self.logits.shape[1] - 1,
+                                                                      logits.shape[-1])], dim=1)
             self.logits = torch.cat([self.logits, logits])
+            self.fed += [[] for _ in streams]
         self.states += new
         return new
 
     def choose(self, progress: Callable[[int], None] | None = None) -> list[Running]:
-        """Pick the next token of every stream; finished streams leave. Returns all streams stepped."""
+        """Pick the next token of every stream, and every accepted draft token after it; finished
+        streams leave. Returns all streams stepped (`new` says how many tokens each took)."""
         if self.logits is None:
             raise RuntimeError("choose needs pending logits (join or advance first)")
-        chosen, margins = _choose(self.logits, [s.stream for s in self.states], [s.generator for s in self.states])
-        self._keep_topk()
+        logits = self.logits if self.logits.dim() == 3 else self.logits[:, None]
+        streams = [s.stream for s in self.states]
+        chosen, margins = _choose(logits[:, 0], streams, [s.generator for s in self.states])
+        later = None
+        if logits.shape[1] > 1:  # drafts: greedy choices at the rows after each draft token
+            values, ids = logits[:, 1:].to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1)
+            later = (ids[..., 0].tolist(), (values[..., 0] - values[..., 1]).tolist())
+        kept = self._top_entries(logits)
         self.logits = None
-        keep = []
+        keep, width = [], logits.shape[1]
         for r, st in enumerate(self.states):
-            token = chosen[r]
-            st.tokens.append(token)
-            st.margins.append(margins[r])
-            span = st.stream.loop_span
-            if token in st.stream.stop_ids:
-                st.finished = "stop"
-            elif span and looped(st.tokens, span, st.windows):
-                st.finished = "loop"
-            elif len(st.tokens) >= st.stream.max_new:
-                st.finished = "length"
-            else:
+            fed, taken = self.fed[r], 0
+            token, margin = chosen[r], margins[r]
+            st.new = 0
+            while True:
+                st.tokens.append(token)
+                st.margins.append(margin)
+                st.new += 1
+                if kept is not None and st.stream.keep_topk:
+                    ids_, values_ = kept[r][taken]
+                    st.topk.append((ids_[: st.stream.keep_topk], values_[: st.stream.keep_topk]))
+                st.finished = self._finished(st, token)
+                if st.finished or taken >= len(fed) or token != fed[taken]:
+                    break
+                taken += 1
+                assert later is not None
+                token, margin = later[0][r][taken - 1], later[1][r][taken - 1]
+            if st.drafter is not None:
+                st.drafter.extend(st.tokens[-st.new :])
+                st.drafter.record(len(fed), taken, len(st.tokens))
+            st.drafted += len(fed)
+            st.accepted += taken
+            if fed and taken < len(fed):  # rejected drafts' columns: never read again
+                end = self.allowed.shape[1] - width + 1 + len(fed)
+                self.allowed[r, end - (len(fed) - taken) : end] = False
+            self.positions[r] += taken
+            if not st.finished:
                 keep.append(r)
+        self.fed = [[] for _ in self.states]
+        if width > 1:
+            self._trim_unread_tail()
         stepped = list(self.states)
         if progress is not None:
-            progress(len(stepped))
+            progress(sum(st.new for st in stepped))
         self._keep(keep)
         return stepped
 
-    def _keep_topk(self) -> None:
-        """Record the pending distribution's top entries for the streams that keep them."""
+    def _trim_unread_tail(self) -> None:
+        """Give back trailing columns no stream reads (drafts every stream rejected)."""
+        assert self.cache is not None
+        read = self.allowed.any(0)
+        tail = int(read.flip(0).long().argmax().item()) if bool(read.any()) else 0
+        if tail > 0:
+            self.cache.trim_tail(tail)
+            self.allowed = self.allowed[:, :-tail]
+
+    def _finished(self, st: Running, token: int) -> str:
+        span = st.stream.loop_span
+        if token in st.stream.stop_ids:
+            return "stop"
+        if span and looped(st.tokens, span, st.windows):
+            return "loop"
+        if len(st.tokens) >= st.stream.max_new:
+            return "length"
+        return ""
+
+    def _top_entries(self, logits: torch.Tensor) -> dict[int, list] | None:
+        """Per stream that keeps them, every row's top entries (the distribution each token came from)."""
         want = [r for r, st in enumerate(self.states) if st.stream.keep_topk]
         if not want:
-            return
-        assert self.logits is not None
+            return None
         k = max(self.states[r].stream.keep_topk for r in want)
-        rows = torch.tensor(want, device=self.logits.device)
-        values, ids = top_entries(self.logits.index_select(0, rows), k)
-        for r, row_ids, row_values in zip(want, ids.tolist(), values.tolist(), strict=True):
-            st = self.states[r]
-            st.topk.append((row_ids[: st.stream.keep_topk], row_values[: st.stream.keep_topk]))
+        rows = torch.tensor(want, device=logits.device)
+        values, ids = top_entries(logits.index_select(0, rows), k)
+        return {r: list(zip(i, v, strict=True)) for r, i, v in zip(want, ids.tolist(), values.tolist(), strict=True)}
 
     def drop(self, tags: Sequence[Any]) -> list[Running]:
         """Remove streams by tag (a client went away); returns the removed ones."""
         gone = {id(t) for t in tags}
         removed = [st for st in self.states if id(st.tag) in gone]
         if removed:
-            self._keep([r for r, st in enumerate(self.states) if id(st.tag) not in gone])
+            rows = [r for r, st in enumerate(self.states) if id(st.tag) not in gone]
+            self.fed = [self.fed[r] for r in rows]
+            self._keep(rows)
         return removed
 
     def advance(self) -> None:
-        """One decode forward for every running stream: its last token in, pending logits out."""
+        """One decode forward for every running stream: its last token in, pending logits out.
+
+        Greedy streams that draft (`Stream.draft`) also feed their drafted tokens; the
+        logits after each are what `choose` verifies them against.
+        """
         if not self.states or self.cache is None:
             return
-        last = torch.tensor([st.tokens[-1] for st in self.states], dtype=torch.long, device=self.device)
-        self.allowed = torch.cat([self.allowed, self.allowed.new_ones(len(self.states), 1)], dim=1)
-        mask = attention_masks(self.model, self.allowed[:, None, :], self.dtype)
+        drafts = [st.drafter.propose(len(st.tokens)) if st.drafter is not None and not st.finished else []
+                  for st in self.states]
+        # The step itself chooses one token: drafts beyond the budget's last token are never used.
+        drafts = [d[: st.stream.max_new - len(st.tokens) - 1] for d, st in zip(drafts, self.states, strict=True)]
+        width = 1 + max(len(d) for d in drafts)
+        batch = len(self.states)
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        fed = torch.zeros(batch, width, dtype=torch.bool)
+        for r, (st, d) in enumerate(zip(self.states, drafts, strict=True)):
+            ids[r, : 1 + len(d)] = torch.tensor([st.tokens[-1], *d], dtype=torch.long)
+            fed[r, : 1 + len(d)] = True
+        ids, fed = ids.to(self.device), fed.to(self.device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        allowed = torch.cat([self.allowed[:, None, :].expand(batch, width, -1), fed[:, None, :] & causal], dim=-1)
+        mask = attention_masks(self.model, allowed, self.dtype)
         with torch.no_grad():
             out = self.model(
-                input_ids=last[:, None],
+                input_ids=ids,
                 attention_mask=mask,
-                position_ids=self.positions[:, None],
+                position_ids=self.positions[:, None] + torch.arange(width, device=self.device),
                 use_cache=True,
                 **{self.keyword: self.cache},
             )
-        self.logits = out.logits[:, -1]
+        self.allowed = torch.cat([self.allowed, fed], dim=1)
+        self.logits = out.logits[:, -1] if width == 1 else out.logits
+        self.fed = drafts
         self.positions = self.positions + 1
 
     def kv_bytes(self) -> int:
@@ -308,6 +383,10 @@ class BatchCache(DynamicCache):
         self._full = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self._full]
         self._set(n)
 
+    def trim_tail(self, columns: int) -> None:
+        """Forget the last `columns` columns; later steps write over them."""
+        self._set(self.length - columns)
+
     def trim(self, columns: int) -> None:
         """Forget the first `columns` columns (no running stream reads them)."""
         n = self.length
@@ -331,6 +410,12 @@ def looped(tokens: list[int], span: int, seen: set[tuple[int, ...]]) -> bool:
         return True
     seen.add(window)
     return False
+
+
+def _drafter(stream: Stream) -> Drafter | None:
+    if stream.draft <= 0 or stream.temperature > 0:
+        return None
+    return Drafter(stream.draft_reference, stream.prompt, stream.draft)
 
 
 def _generator(stream: Stream, device: torch.device) -> torch.Generator | None:

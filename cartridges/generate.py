@@ -33,6 +33,8 @@ class Generation:
     min_margin: float = math.inf
     margins: list[float] = field(default_factory=list)
     topk: list[tuple[list[int], list[float]]] = field(default_factory=list)  # streams with keep_topk
+    drafted: int = 0  # draft tokens verified (streams with `draft`)
+    accepted: int = 0  # of which greedy decoding chose
 
 
 def generate(
@@ -99,6 +101,8 @@ def _run_group(
             min_margin=min(st.margins, default=math.inf),
             margins=st.margins,
             topk=st.topk,
+            drafted=st.drafted,
+            accepted=st.accepted,
         )
         for st in states
     ]

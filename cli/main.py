@@ -66,6 +66,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--temperature-a", "synth", "temperature_a", float),
     ("--gen-batch", "synth", "gen_batch", int),
     ("--keep-topk", "synth", "keep_topk", int),
+    ("--spec-b", "synth", "spec_b", int),
     ("--top-k", "teacher", "top_k", int),
     ("--top-mass", "teacher", "top_mass", float),
     ("--p", "train", "p", int),
@@ -94,6 +95,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
                         help="let bot A's message run past its first '?'")
     parser.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
     parser.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
+    parser.add_argument("--draft-ref", action="store_true",
+                        help="embed the corpus token ids in the cartridge file (drafts for serve --spec)")
 
 
 def pipeline_config(args: argparse.Namespace):
@@ -115,6 +118,8 @@ def pipeline_config(args: argparse.Namespace):
         overrides.setdefault("train", {})["pack"] = False
     if args.checkpoint:
         overrides.setdefault("train", {})["checkpoint"] = True
+    if args.draft_ref:
+        overrides.setdefault("train", {})["draft_ref"] = True
     return preset(args.preset, overrides)
 
 

@@ -184,6 +184,9 @@ class SynthConfig(_Config):
     # targets (same model, same context, same tokens), so the teacher pass reads them
     # instead of running the answers again. 0: the teacher pass computes them.
     keep_topk: int = 20
+    # Bot B verifies up to this many prompt-lookup draft tokens per step (greedy, so the
+    # same answers). Off by default: it does not pay in wide CPU batches (docs/BENCHMARKS.md).
+    spec_b: int = 0
 
     def validate(self) -> None:
         for name in ("max_q", "max_a", "gen_batch"):
@@ -191,6 +194,8 @@ class SynthConfig(_Config):
                 raise _bad(self, name, "must be >= 1")
         if not 0 <= self.keep_topk <= 1000:
             raise _bad(self, "keep_topk", "must be in [0, 1000]")
+        if not 0 <= self.spec_b <= 16:
+            raise _bad(self, "spec_b", "must be in [0, 16]")
         if not 0 < self.temperature_a <= 2:
             raise _bad(self, "temperature_a", "must be in (0, 2]")
         if self.seed < 0:
@@ -222,6 +227,7 @@ class TrainConfig(_Config):
     init: str = "corpus"
     pack: bool = True
     checkpoint: bool = False
+    draft_ref: bool = False  # embed the corpus token ids in the file: serve --spec drafts from them
     save_every: int = 0
     seed: int = 7
 

@@ -71,6 +71,8 @@ class Engine:
         self.waiting: deque[Job] = deque()
         self.served = 0
         self.steps = 0
+        self.drafted = 0  # draft tokens verified (serve --spec) in finished requests
+        self.accepted = 0
         self.peak_active = 0
         self.failures = 0
         self._stop = threading.Event()
@@ -104,7 +106,8 @@ class Engine:
         return {"active": len(self.batch), "waiting": len(self.waiting) + self.inbox.qsize(),
                 "max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
                 "served": self.served, "decode_steps": self.steps, "peak_active": self.peak_active,
-                "failures": self.failures, "alive": self._thread.is_alive()}
+                "failures": self.failures, "alive": self._thread.is_alive(),
+                "draft_tokens": self.drafted, "accepted_draft_tokens": self.accepted}
 
     # --- the decode thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -163,7 +166,8 @@ class Engine:
         seed = params.seed if params.seed is not None else secrets.randbits(62)
         job.selection = sel
         job.stream = Stream(sel.prompt, max_new, temperature=params.temperature, top_p=params.top_p,
-                            seed=seed % (1 << 63), stop_ids=self.eot)
+                            seed=seed % (1 << 63), stop_ids=self.eot, draft=self.config.spec,
+                            draft_reference=sel.draft_reference)
         self.waiting.append(job)
         job.post("accepted", Accepted(sel.cached_tokens + n, sel.cached_tokens, sel.cartridge_rows, sel.names,
                                       sel.version, max_new))
@@ -203,7 +207,8 @@ class Engine:
         self.peak_active = max(self.peak_active, len(stepped))
         for st in stepped:
             job: Job = st.tag
-            job.post("token", st.tokens[-1])
+            for token in st.tokens[len(st.tokens) - st.new :]:
+                job.post("token", token)
             if st.finished:
                 self._finish(job, st)
         if len(self.batch):
@@ -211,6 +216,8 @@ class Engine:
 
     def _finish(self, job: Job, st: Running) -> None:
         self.served += 1
+        self.drafted += st.drafted
+        self.accepted += st.accepted
         reason = "stop" if st.finished == "stop" else "length"
         job.post("done", {"finish_reason": reason, "completion_tokens": len(st.tokens)})
         sel = job.selection

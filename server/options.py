@@ -19,6 +19,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_stop: int = 4  # stop strings per request (as OpenAI)
     name: str | None = None  # model id served at /v1/models (default: the cartridge names)
+    spec: int = 0  # greedy requests verify up to this many prompt-lookup draft tokens per step
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +43,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=os.environ.get("CARTRIDGES_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 and /admin (default: $CARTRIDGES_API_KEY)")
     parser.add_argument("--max-batch", type=int, default=d.max_batch, help="streams decoding at once")
+    parser.add_argument("--spec", type=int, default=d.spec, metavar="N",
+                        help="greedy requests verify up to N draft tokens per step, looked up in the conversation "
+                             "and the cartridge's embedded corpus (train --draft-ref); same output (default 0: off)")
     parser.add_argument("--max-queue", type=int, default=d.max_queue, help="requests waiting for a slot")
     parser.add_argument("--max-tokens-cap", type=int, default=d.max_tokens_cap, help="largest max_tokens accepted")
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens)
@@ -73,10 +77,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                  "max_conversations", "max_conversation_rows"):
         if getattr(args, flag) < 1:
             raise CartridgeError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not 0 <= args.spec <= 16:
+        raise CartridgeError(f"--spec must be in 0..16, got {args.spec}")
     if not 0 <= args.port <= 65535:
         raise CartridgeError(f"--port must be in 0..65535, got {args.port}")
     return ServeConfig(
         host=args.host, port=args.port, api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
         max_tokens_cap=args.max_tokens_cap, default_max_tokens=min(args.default_max_tokens, args.max_tokens_cap),
-        max_body_bytes=args.max_body_bytes, name=args.name,
+        max_body_bytes=args.max_body_bytes, name=args.name, spec=args.spec,
     )

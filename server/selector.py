@@ -35,6 +35,7 @@ class Selection:
     prompt: list[int]  # token ids prefilled behind `rows`
     names: tuple[str, ...]  # cartridges / documents behind the answer
     cached_tokens: int = 0  # conversation tokens already inside `rows`
+    draft_reference: tuple[int, ...] = ()  # text drafts may come from (`serve --spec`): the cartridges' corpora
     version: int = 0  # the selector's version when selected (reload counter)
     # Called on the engine thread with the stream's rows (prefix, prompt, tokens fed) and its
     # tokens when it finishes: how fleet follow-ups keep a conversation's KV.
@@ -68,6 +69,7 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
 @dataclass(frozen=True)
 class _Loaded:
     rows: Rows
+    draft_reference: tuple[int, ...]
     names: tuple[str, ...]
     files: tuple[dict, ...]
     version: int
@@ -85,22 +87,25 @@ class CartridgeSelector:
         self.model_id = name or "+".join(self._state.names)
 
     def _load(self, version: int) -> _Loaded:
-        parts, files = [], []
+        parts, files, draft = [], [], []
         for path in self.paths:
             cart = load_cartridge(path, device=self.lm.device, dtype=self.lm.dtype)
             check_fits(cart, self.lm.fingerprint, path)
             parts.append(cart)
+            if cart.meta.get("draft_reference") is not None:
+                draft += [int(t) for t in cart.meta["draft_reference"].tolist()]
             files.append({"path": path, "p": cart.p, "steps": cart.meta.get("steps"),
                           "mtime": Path(path).stat().st_mtime})
         with torch.no_grad():
             rows = [(k.detach(), v.detach()) for k, v in compose_rows(parts)]
         names = tuple(Path(p).stem for p in self.paths)
-        return _Loaded(rows, names, tuple(files), version, time.time())
+        return _Loaded(rows, tuple(draft), names, tuple(files), version, time.time())
 
     def select(self, messages: list[dict]) -> Selection:
         state = self._state  # one read: a concurrent reload swaps the whole state
         prompt = render_prompt(self.lm.tokenizer, messages)
-        return Selection(rows=state.rows, prompt=prompt, names=state.names, version=state.version)
+        return Selection(rows=state.rows, prompt=prompt, names=state.names, version=state.version,
+                         draft_reference=state.draft_reference)
 
     def reload(self) -> dict:
         """Read the files again; on any error the old rows stay in service and the error propagates."""

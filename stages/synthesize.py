@@ -87,7 +87,7 @@ def synthesize_group(
             messages = [{"role": "system", "content": ctx}, {"role": "user", "content": question}]
             b_streams.append(Stream(prompt=chat_ids(tok, messages, add_generation_prompt=True),
                                     max_new=config.max_a, stop_ids=eot, loop_span=LOOP_SPAN,
-                                    keep_topk=config.keep_topk))
+                                    keep_topk=config.keep_topk, draft=config.spec_b))
             b_index.append(i)
     b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
 

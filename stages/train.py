@@ -105,8 +105,9 @@ def train_cartridge(
     after = mean_loss(lm.model, [cart], heldout)
     if log:
         log[-1]["heldout_loss"] = after
+    draft = lm.tokenizer(text, add_special_tokens=False)["input_ids"] if config.draft_ref else None
     save_cartridge(ctx_dir / CARTRIDGE_FILE, cart, lm.fingerprint, steps=len(groups), corpus_sha256=corpus_sha,
-                   init=config.init, lr=config.lr)
+                   init=config.init, lr=config.lr, draft_reference=draft)
     supervised = sum(r["tokens"] for r in log)
     summary = {
         "heldout_loss_before": before, "heldout_loss_after": after,

@@ -123,9 +123,10 @@ def test_from_dict_rejects_unknown_and_nested_bad_values() -> None:
 def test_every_table_has_a_version_and_expected_columns() -> None:
     assert set(TABLES) == {"documents", "chunks", "conversations", "targets", "train_steps",
                            "evals", "benchmarks", "index_chunks", "sentences", "runs"}
-    for schema in TABLES.values():
-        assert schema_version(schema) == 1
+    for name, schema in TABLES.items():
+        assert schema_version(schema) == (2 if name == "conversations" else 1)
     conv = TABLES["conversations"]
+    assert conv.field("answer_topk_ids").nullable  # kept teacher targets (version 2)
     assert conv.field("teacher_ids").type == pa.list_(pa.int32())
     assert conv.field("temperature_a").type == pa.float32()
     assert TABLES["targets"].names == ["conv_id", "position", "topk_ids", "topk_logprobs"]

@@ -136,3 +136,38 @@ def test_cancelled_requests_leave_the_batch(lm):
         assert engine.stats()["active"] == 0 and engine.stats()["served"] == 0
     finally:
         engine.stop()
+
+
+class ReferenceSelector(TopicSelector):
+    """Selections that carry a draft reference (a cartridge file's embedded corpus)."""
+
+    def select(self, messages):
+        sel = super().select(messages)
+        topic = messages[0]["content"].split()[0]
+        return Selection(sel.rows, sel.prompt, sel.names, on_finish=sel.on_finish,
+                         draft_reference=tuple(self.topics[topic] * 3))
+
+
+def test_speculative_serving_streams_the_tokens_of_plain_serving(lm):
+    gen = torch.Generator().manual_seed(1)
+    topics = {name: torch.randint(0, 256, (n,), generator=gen).tolist() for name, n in (("a", 9), ("b", 17))}
+    asks = [(f"{'ab'[i % 2]} question {i}" + "?" * i, 20 + 3 * i) for i in range(5)]
+    outputs = []
+    for spec in (0, 3):
+        selector = ReferenceSelector(lm, topics)
+        selector.topics = topics
+        engine = Engine(lm, selector, ServeConfig(max_batch=3, spec=spec)).start()
+        try:
+            pending = [collect(engine, content, n) for content, n in asks]
+            outputs.append([drain(events)[1] for events in pending])
+            drafted = sum(1 for _ in selector.finished)
+            stats = engine.stats()
+        finally:
+            engine.stop()
+        # kept rows still count prefix + prompt + tokens fed: rejected drafts are not among them
+        for topic, prompt, rows, tokens in selector.finished:
+            assert rows == len(topics[topic]) + prompt + len(tokens) - 1
+        assert drafted == len(asks)
+        assert (stats["accepted_draft_tokens"] > 0) == (spec > 0)  # the drafted path really ran
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == n for tokens, (_, n) in zip(outputs[1], asks, strict=True))
