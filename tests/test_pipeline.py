@@ -188,3 +188,29 @@ def test_train_with_bad_corpus_is_one_line_and_starts_no_run(tmp_path, tiny_mode
     err = capsys.readouterr().err.strip()
     assert code == 2 and str(path) in err and len(err.splitlines()) == 1
     assert not (tmp_path / "s" / "catalog.duckdb").exists() or Store(tmp_path / "s").catalog.artifacts() == []
+
+
+def test_teacher_reads_bot_bs_kept_targets_and_draft_ref_embeds_the_corpus(tmp_path, corpus):
+    import pyarrow as pa
+
+    from cartridges.files import load_cartridge
+    from schemas import TABLES
+    from stages.teacher import target_rows
+
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    cfg = preset("smoke", {"synth": {"filter": False}, "train": {"draft_ref": True}})
+    summary = run_pipeline(store, lm, [corpus], cfg, save=tmp_path / "out.safetensors", log=lambda _: None)
+    convs = store.table(store.latest("synthesize")).to_pylist()
+    assert all(c["answer_topk_ids"] for c in convs if c["a_tokens"])  # bot B kept its targets
+    # The stage's table equals a forward over every conversation (kept entries dropped).
+    stripped = [{**c, "answer_topk_ids": None, "answer_topk_logprobs": None} for c in convs if c["a_tokens"]]
+    forward = pa.Table.from_pylist(target_rows(lm, stripped, cfg.teacher), schema=TABLES["targets"]).to_pylist()
+    stored = store.table(store.latest("teacher")).to_pylist()
+    key = lambda r: (r["conv_id"], r["position"])  # noqa: E731
+    assert [key(r) for r in sorted(stored, key=key)] == [key(r) for r in sorted(forward, key=key)]
+    for a, b in zip(sorted(stored, key=key), sorted(forward, key=key), strict=True):
+        assert a["topk_ids"][0] == b["topk_ids"][0]
+        assert a["topk_logprobs"][0] == pytest.approx(b["topk_logprobs"][0], abs=1e-4)
+    cart = load_cartridge(summary["cartridge"])
+    expected = lm.tokenizer(CORPUS, add_special_tokens=False)["input_ids"]
+    assert cart.meta["draft_reference"].tolist() == expected
