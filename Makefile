@@ -19,7 +19,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline curve curve-plot clean
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline bench-spec curve curve-plot clean
 
 setup: $(STAMP)
 
@@ -116,6 +116,9 @@ clean:
 PIPELINE_CORPUS ?= docs/eval/raft.md
 bench-pipeline: setup
 	$(BIN)/python -m bench.bench_pipeline --corpus $(if $(filter command line,$(origin CORPUS)),$(CORPUS),$(PIPELINE_CORPUS)) --dtype $(DTYPE) --json
+
+bench-spec: setup
+	$(BIN)/python -m bench.bench_spec --dtype $(DTYPE) --json
 
 bench-train: setup
 	$(BIN)/python -m bench.bench_train --json

@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="docs/eval/raft.md")
     ap.add_argument("--conversations", type=int, default=70, help="planned conversations (10 spans of 7)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the pipeline path's dtype")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the pipeline path's dtype")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu or cuda; the reference runs on the same device")
     ap.add_argument("--max-a", type=int, default=None, help="bot B's budget (default: the config's)")

@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft", type=int, default=3, help="draft tokens per step in the drafting arms")
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--max-new", type=int, default=200, help="serving: tokens per answer at most")
+    ap.add_argument("--max-a", type=int, default=None, help="synthesis: bot B's budget (default: the config's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-synthesis", action="store_true")
     ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         plan = plan_chunks([{"doc_id": 0, "token_ids": doc}], ChunkConfig(conversations=args.conversations, heldout=0))
         contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
         synth = SynthConfig()
+        synth = replace(synth, max_a=args.max_a or synth.max_a)
         plain_s, plain_rows, _ = synthesis_arm(lm, plan, contexts, synth)
         spec_s, spec_rows, counts = synthesis_arm(lm, plan, contexts, replace(synth, spec_b=args.draft))
         same = sum(a["answer"] == b["answer"] for a, b in zip(plain_rows, spec_rows, strict=True))
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             "spec_over_plain": round(plain_s / spec_s, 3), "acceptance": round(counts["accepted"] / max(counts["drafted"], 1), 3),
             "drafted": counts["drafted"], "accepted": counts["accepted"], "same_answers": same,
         }
+        result["synthesis_spec_over_plain"] = result["synthesis"]["spec_over_plain"]
         print(f"synthesis ({len(plan)} conversations): plain {plain_s:.1f} s, bot B drafting {args.draft}: "
               f"{spec_s:.1f} s ({plain_s / spec_s:.2f}x); acceptance {result['synthesis']['acceptance']:.0%} "
               f"of {counts['drafted']} drafted; {same}/{len(plan)} answers identical", flush=True)
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         "acceptance": round(spec["acceptance"], 3), "drafted": spec["drafted"], "accepted": spec["accepted"],
         "same_output": plain["outputs"] == spec["outputs"],
     }
+    result["serving_spec_over_plain"] = result["serving"]["spec_over_plain"]
     print(f"serving ({len(prompts)} answers, {plain['tokens']} tokens, one at a time behind the document's rows): "
           f"plain {plain['tokens_per_s']:.1f} tok/s, drafting {args.draft}: {spec['tokens_per_s']:.1f} tok/s "
           f"({result['serving']['spec_over_plain']:.2f}x); acceptance {spec['acceptance']:.0%}; "
