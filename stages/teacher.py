@@ -60,24 +60,25 @@ def kept_targets(conv: dict, config: TeacherConfig) -> list[tuple[list[int], lis
 def target_rows(lm: LoadedModel, convs: list[dict], config: TeacherConfig) -> list[dict]:
     """Targets rows for `convs`: bot B's kept entries where it kept them, a forward for the rest."""
     vocab = _vocab(lm)
-    targets: list = [kept_targets(c, config) if kept(c, config.top_k, vocab) else None for c in convs]
-    todo = [i for i, t in enumerate(targets) if t is None]
-    for start in range(0, len(todo), config.batch):
-        group = todo[start : start + config.batch]
-        computed = teacher_targets(
-            lm.model, [convs[i]["teacher_ids"] for i in group], [convs[i]["answer_start"] for i in group],
-            config.top_k, config.top_mass, share_min=SHARE_MIN,
-        )
-        for i, per_position in zip(group, computed, strict=True):
-            targets[i] = per_position
-        fault_point("teacher.batch")
     rows = []
-    for conv, per_position in zip(convs, targets, strict=True):
-        for j, (ids, logprobs) in enumerate(per_position):
-            rows.append({
-                "conv_id": conv["conv_id"], "position": conv["student_answer_start"] + j,
-                "topk_ids": ids, "topk_logprobs": logprobs,
-            })
+    for start in range(0, len(convs), config.batch):
+        group = convs[start : start + config.batch]
+        targets: list = [kept_targets(c, config) if kept(c, config.top_k, vocab) else None for c in group]
+        todo = [i for i, t in enumerate(targets) if t is None]
+        if todo:
+            computed = teacher_targets(
+                lm.model, [group[i]["teacher_ids"] for i in todo], [group[i]["answer_start"] for i in todo],
+                config.top_k, config.top_mass, share_min=SHARE_MIN,
+            )
+            for i, per_position in zip(todo, computed, strict=True):
+                targets[i] = per_position
+        for conv, per_position in zip(group, targets, strict=True):
+            for j, (ids, logprobs) in enumerate(per_position):
+                rows.append({
+                    "conv_id": conv["conv_id"], "position": conv["student_answer_start"] + j,
+                    "topk_ids": ids, "topk_logprobs": logprobs,
+                })
+        fault_point("teacher.batch")
     return rows
 
 
