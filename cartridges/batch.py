@@ -152,10 +152,7 @@ class Batch:
         logits = self.logits if self.logits.dim() == 3 else self.logits[:, None]
         streams = [s.stream for s in self.states]
         chosen, margins = _choose(logits[:, 0], streams, [s.generator for s in self.states])
-        later = None
-        if logits.shape[1] > 1:  # drafts: greedy choices at the rows after each draft token
-            values, ids = logits[:, 1:].to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1)
-            later = (ids[..., 0].tolist(), (values[..., 0] - values[..., 1]).tolist())
+        later = _top2(logits[:, 1:]) if logits.shape[1] > 1 else None  # greedy choices after each draft token
         kept = self._top_entries(logits)
         self.logits = None
         keep, width = [], logits.shape[1]
@@ -187,13 +184,13 @@ class Batch:
             self.positions[r] += taken
             if not st.finished:
                 keep.append(r)
-        self.fed = [[] for _ in self.states]
         if width > 1:
             self._trim_unread_tail()
         stepped = list(self.states)
         if progress is not None:
             progress(sum(st.new for st in stepped))
         self._keep(keep)
+        self.fed = [[] for _ in self.states]
         return stepped
 
     def _trim_unread_tail(self) -> None:
@@ -243,8 +240,7 @@ class Batch:
         """
         if not self.states or self.cache is None:
             return
-        drafts = [st.drafter.propose(len(st.tokens)) if st.drafter is not None and not st.finished else []
-                  for st in self.states]
+        drafts = [st.drafter.propose(len(st.tokens)) if st.drafter is not None else [] for st in self.states]
         # The step itself chooses one token: drafts beyond the budget's last token are never used.
         drafts = [d[: st.stream.max_new - len(st.tokens) - 1] for d, st in zip(drafts, self.states, strict=True)]
         width = 1 + max(len(d) for d in drafts)
@@ -434,13 +430,17 @@ def _choose(
     """
     if logits.shape[-1] < 2:
         return [0] * logits.shape[0], [math.inf] * logits.shape[0]
-    values, ids = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1)
-    chosen = ids[:, 0].tolist()
-    margins = (values[:, 0] - values[:, 1]).tolist()
+    chosen, margins = _top2(logits)
     for r, (stream, gen) in enumerate(zip(streams, generators, strict=True)):
         if gen is not None:
             chosen[r] = _sample(logits[r], stream.temperature, stream.top_p, gen)
     return chosen, margins
+
+
+def _top2(logits: torch.Tensor) -> tuple[list, list]:
+    """Greedy ids and top-2 margins over the last dimension (nested lists of the leading ones)."""
+    values, ids = logits.to(torch.promote_types(logits.dtype, torch.float32)).topk(2, dim=-1)
+    return ids[..., 0].tolist(), (values[..., 0] - values[..., 1]).tolist()
 
 
 def _sample(row: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:

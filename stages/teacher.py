@@ -105,9 +105,10 @@ def run(
         convs = [c for c in ctx.read(conversations).to_pylist() if usable(c, filtered)]
         done = ctx.done_shards()
         jobs = []
+        vocab = _vocab(lm)
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
-            needs_forward = not all(kept(c, config.top_k, _vocab(lm)) for c in group)
+            needs_forward = not all(kept(c, config.top_k, vocab) for c in group)
             if shard not in done and fanout is not None and needs_forward:
                 needed = ["conv_id", "teacher_ids", "answer_start", "student_answer_start",
                           "answer_topk_ids", "answer_topk_logprobs"]
