@@ -9,6 +9,7 @@ position count. Both give the same gradients (pinned by a test).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,3 +108,18 @@ def mean_loss(model: torch.nn.Module, parts: list[Cartridge], examples: list[Exa
 def make_optimizer(cart: Cartridge, lr: float) -> torch.optim.Adam:
     """Adam with weight decay exactly 0 over the trainable rows only."""
     return torch.optim.Adam(cart.parameters(), lr=lr, weight_decay=0.0)
+
+
+def lr_at(step: int, total: int, lr: float, schedule: str = "constant", warmup: float = 0.0) -> float:
+    """The rate for 0-based `step` of `total`: linear warm-up over the first `warmup` share of
+    steps, then constant or a cosine decay that reaches 0 after the last step. A pure function
+    of the step, so a resumed run continues on the same curve."""
+    ramp = math.ceil(warmup * total)
+    if step < ramp:
+        return lr * (step + 1) / ramp
+    if schedule == "constant":
+        return lr
+    if schedule != "cosine":
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+    progress = (step - ramp) / max(1, total - ramp)  # 0 at the first decaying step, 1 after the last
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -16,7 +16,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
-from schemas.configs import HELDOUT_REGIONS
+from schemas.configs import HELDOUT_REGIONS, LR_SCHEDULES
 
 
 @command("equiv")
@@ -74,11 +74,13 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--lr", "train", "lr", float),
     ("--accum", "train", "accum", int),
     ("--epochs", "train", "epochs", int),
+    ("--schedule", "train", "schedule", str),
+    ("--warmup", "train", "warmup", float),
     ("--init", "train", "init", str),
     ("--save-every", "train", "save_every", int),
     ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
-OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS}
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS, "--schedule": LR_SCHEDULES}
 STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 

@@ -3,6 +3,7 @@
 from schemas.configs import (
     HELDOUT_REGIONS,
     INITS,
+    LR_SCHEDULES,
     SEED_TYPES,
     ChunkConfig,
     ConfigError,
@@ -40,6 +41,7 @@ __all__ = [
     "BENCHMARKS",
     "EVALS",
     "HELDOUT_REGIONS",
+    "LR_SCHEDULES",
     "INDEX_CHUNKS",
     "INITS",
     "RUNS",

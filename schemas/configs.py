@@ -16,6 +16,7 @@ SEED_TYPES: tuple[str, ...] = (
 )
 INITS: tuple[str, ...] = ("corpus", "random")
 HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
+LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 
 
 class ConfigError(ValueError):
@@ -224,6 +225,8 @@ class TrainConfig(_Config):
     lr: float = 2e-3
     accum: int = 4
     epochs: int = 4  # docs/QUALITY.md: lowest held-out loss of the settings that train in ~30 min
+    schedule: str = "constant"  # or "cosine": linear warm-up, then cosine decay to 0 at the last step
+    warmup: float = 0.0  # share of all steps spent warming up linearly from 0 (any schedule)
     init: str = "corpus"
     pack: bool = True
     checkpoint: bool = False
@@ -244,6 +247,10 @@ class TrainConfig(_Config):
             raise _bad(self, "epochs", "must be >= 1")
         if self.init not in INITS:
             raise _bad(self, "init", f"must be one of {list(INITS)}")
+        if self.schedule not in LR_SCHEDULES:
+            raise _bad(self, "schedule", f"must be one of {list(LR_SCHEDULES)}")
+        if not 0 <= self.warmup < 1:
+            raise _bad(self, "warmup", "must be in [0, 1) (a share of all steps)")
         if self.save_every < 0:
             raise _bad(self, "save_every", "must be >= 0 (0 disables)")
         if self.seed < 0:

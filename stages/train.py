@@ -22,7 +22,7 @@ from cartridges.corpus import document_text
 from cartridges.errors import CartridgeError
 from cartridges.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
 from cartridges.models import LoadedModel
-from cartridges.train import Example, group_backward, make_optimizer, mean_loss
+from cartridges.train import Example, group_backward, lr_at, make_optimizer, mean_loss
 from schemas import TABLES, TrainConfig, validate_table
 from storage import StageContext, Store
 from storage.atomic import write_json_atomic
@@ -90,11 +90,14 @@ def train_cartridge(
         log, start, before = [], 0, mean_loss(lm.model, [cart], heldout)
     for step in range(start, len(groups)):
         t0 = time.perf_counter()
+        lr = lr_at(step, len(groups), config.lr, config.schedule, config.warmup)
+        for group in opt.param_groups:
+            group["lr"] = lr
         opt.zero_grad(set_to_none=True)
         loss = group_backward(lm.model, [cart], groups[step], packed=config.pack, checkpoint=config.checkpoint)
         opt.step()
         row = {"run_id": run_id, "step": step, "docs": names, "visibility": "isolated", "loss": loss,
-               "lr": config.lr, "tokens": sum(ex.n for ex in groups[step]),
+               "lr": lr, "tokens": sum(ex.n for ex in groups[step]),
                "seconds": time.perf_counter() - t0, "heldout_loss": None}
         log.append(row)
         if progress:

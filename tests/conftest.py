@@ -31,3 +31,9 @@ def tiny_model_dir(tmp_path_factory):
 # Prefect's ephemeral server logs its shutdown at interpreter exit, after pytest has
 # closed the captured streams; do not print a logging traceback for that.
 logging.raiseExceptions = False
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fault_counts(monkeypatch):
+    """Fault points count hits per process (`@n`); each test starts from zero."""
+    monkeypatch.setattr("storage.faults._hits", {})

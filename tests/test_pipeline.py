@@ -116,20 +116,25 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
 
 
-def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, corpus, monkeypatch):
+@pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}])
+def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, corpus, monkeypatch, schedule):
     import torch
 
     from cartridges.files import load_cartridge
+    from cartridges.train import lr_at
 
     lm = tiny_llama()
     clean = Store(tmp_path / "clean")
-    ref = run_pipeline(clean, lm, [corpus], smoke(save_every=1))
+    ref = run_pipeline(clean, lm, [corpus], smoke(save_every=1, **schedule))
     crashed = Store(tmp_path / "crashed")
     monkeypatch.setenv("CARTRIDGES_FAULT", "train.step.2:raise")
     with pytest.raises(InjectedFault):
-        run_pipeline(crashed, lm, [corpus], smoke(save_every=1))
+        run_pipeline(crashed, lm, [corpus], smoke(save_every=1, **schedule))
     monkeypatch.delenv("CARTRIDGES_FAULT")
-    resumed = run_pipeline(crashed, lm, [corpus], smoke(save_every=1))
+    resumed = run_pipeline(crashed, lm, [corpus], smoke(save_every=1, **schedule))
+    cfg = smoke(**schedule).train
+    rates = crashed.table(crashed.latest("train")).column("lr").to_pylist()
+    assert rates == [lr_at(i, len(rates), cfg.lr, cfg.schedule, cfg.warmup) for i in range(len(rates))]
     a, b = load_cartridge(ref["cartridge"]), load_cartridge(resumed["cartridge"])
     for x, y in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(x, y)

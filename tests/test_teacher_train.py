@@ -9,7 +9,7 @@ import torch
 from cartridges.cartridge import Cartridge
 from cartridges.prefix import capture_rows
 from cartridges.targets import teacher_targets, truncate_topk
-from cartridges.train import Example, group_backward, make_optimizer
+from cartridges.train import Example, group_backward, lr_at, make_optimizer
 from tests.tiny import VOCAB, tiny_llama
 
 
@@ -121,3 +121,26 @@ def test_optimizer_roundtrip_continues_bit_identically(tmp_path):
             opt.step()
     for x, y in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(x, y)
+
+
+def test_lr_schedule_matches_torch_warmup_and_cosine_schedulers():
+    """Warm-up then cosine, against torch's own LinearLR and CosineAnnealingLR stepped by hand."""
+    total, warmup, lr = 20, 0.2, 3e-2
+    ramp = 4
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / ramp, end_factor=1.0, total_iters=ramp - 1)
+    expected = []
+    for _ in range(ramp):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        warm.step()
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=total - ramp, eta_min=0.0)
+    for _ in range(total - ramp):
+        expected.append(opt.param_groups[0]["lr"])
+        opt.step()
+        cosine.step()
+    got = [lr_at(i, total, lr, "cosine", warmup) for i in range(total)]
+    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(got, expected, strict=True))
+    assert [lr_at(i, total, lr, "constant", warmup) for i in range(total)] == expected[:ramp] + [lr] * (total - ramp)
+    assert [lr_at(i, total, lr) for i in range(total)] == [lr] * total
