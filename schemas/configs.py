@@ -28,6 +28,15 @@ def _bad(cfg: object, name: str, why: str) -> ConfigError:
     return ConfigError(f"{type(cfg).__name__}.{name}: {why} (got {value!r})")
 
 
+_ADDED = "added"
+
+
+def added(default: Any) -> Any:
+    """A field added after artifacts were made with the config: at `default` it changes nothing
+    the stage does, and it stays out of the fingerprint, so those artifacts are still reused."""
+    return dataclasses.field(default=default, metadata={_ADDED: True})
+
+
 class _Config:
     """Shared behaviour: type coercion, validation hook, dict round trip."""
 
@@ -46,10 +55,14 @@ class _Config:
         """Subclasses raise ConfigError here; types are already checked."""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe, key-sorted dict; the form that gets fingerprinted."""
+        """JSON-safe, key-sorted dict; the form that gets fingerprinted. An `added` field at
+        its default is left out, so artifacts made before it existed keep their fingerprints."""
         out: dict[str, Any] = {}
         for f in sorted(dataclasses.fields(self), key=lambda f: f.name):  # type: ignore[arg-type]
-            out[f.name] = _jsonable(getattr(self, f.name))
+            value = getattr(self, f.name)
+            if f.metadata.get(_ADDED) and value == f.default:
+                continue
+            out[f.name] = _jsonable(value)
         return out
 
     @classmethod
@@ -187,7 +200,7 @@ class SynthConfig(_Config):
     keep_topk: int = 20
     # Bot B verifies up to this many prompt-lookup draft tokens per step (greedy, so the
     # same answers). Off by default: it does not pay in wide CPU batches (docs/BENCHMARKS.md).
-    spec_b: int = 0
+    spec_b: int = added(0)
 
     def validate(self) -> None:
         for name in ("max_q", "max_a", "gen_batch"):
@@ -225,12 +238,12 @@ class TrainConfig(_Config):
     lr: float = 2e-3
     accum: int = 4
     epochs: int = 4  # docs/QUALITY.md: lowest held-out loss of the settings that train in ~30 min
-    schedule: str = "constant"  # or "cosine": linear warm-up, then cosine decay to 0 at the last step
-    warmup: float = 0.0  # share of all steps spent warming up linearly from 0 (any schedule)
+    schedule: str = added("constant")  # or "cosine": linear warm-up, then cosine decay to 0 at the last step
+    warmup: float = added(0.0)  # share of all steps spent warming up linearly from 0 (any schedule)
     init: str = "corpus"
     pack: bool = True
     checkpoint: bool = False
-    draft_ref: bool = False  # embed the corpus token ids in the file: serve --spec drafts from them
+    draft_ref: bool = added(False)  # embed the corpus token ids in the file: serve --spec drafts from them
     save_every: int = 0
     seed: int = 7
 

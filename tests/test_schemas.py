@@ -192,3 +192,19 @@ def test_nullable_column_accepts_nulls() -> None:
     out = validate_table("train_steps", steps)
     assert out.column("heldout_loss").type == pa.float64()
     assert out.column("heldout_loss").to_pylist() == [None]
+
+
+def test_added_fields_stay_out_of_the_fingerprint_at_their_defaults() -> None:
+    """Fields added after artifacts existed (spec_b, schedule, warmup, draft_ref): at their
+    defaults the dict, and so every stage fingerprint, is what it was before they existed."""
+    from storage.fingerprint import fingerprint
+
+    train, synth = TrainConfig(), SynthConfig()
+    for cfg, fields in ((train, ("schedule", "warmup", "draft_ref")), (synth, ("spec_b",))):
+        d = cfg.to_dict()
+        assert not set(fields) & set(d)
+        assert type(cfg).from_dict(d) == cfg
+    cosine = train.replace(schedule="cosine")
+    assert cosine.to_dict()["schedule"] == "cosine" and TrainConfig.from_dict(cosine.to_dict()) == cosine
+    assert fingerprint("train", 1, cosine.to_dict(), []) != fingerprint("train", 1, train.to_dict(), [])
+    assert fingerprint("train", 1, train.replace(warmup=0.0).to_dict(), []) == fingerprint("train", 1, train.to_dict(), [])
