@@ -97,3 +97,14 @@ def grounding_counts(text: str, conversations: Iterable[str]) -> list[tuple[str,
         words = content_words(s)
         out.append((s, len(words), sum(grounded(words, c) for c in convs)))
     return out
+
+
+def focus_sentence(chunk_text: str, turn: int) -> str | None:
+    """The sentence of a chunk that conversation `turn` about it asks about (None: no sentence).
+
+    A chunk's first and last sentences are usually cut by its token boundaries, so they are
+    skipped when whole ones remain; consecutive turns take consecutive sentences, so the
+    conversations about one span ask about different facts of it."""
+    found = sentences(chunk_text)
+    whole = found[1:-1] if len(found) > 2 else found
+    return whole[turn % len(whole)] if whole else None

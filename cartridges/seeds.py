@@ -71,6 +71,7 @@ REQUEST_WORDS = frozenset({
     "does", "do", "i'd",
 })
 _POLITE = ("please",)
+FOCUS_LEAD = "Ask about this sentence of the text:"
 
 
 def seed(seed_type: str) -> Seed:
@@ -83,17 +84,20 @@ def seed(seed_type: str) -> Seed:
         ) from None
 
 
-def bot_a_prompt(tokenizer, chunk_text: str, seed_type: str) -> list[int]:
+def bot_a_prompt(tokenizer, chunk_text: str, seed_type: str, focus: str | None = None) -> list[int]:
     """Token ids of bot A's prompt: chunk and instruction in one user turn, assistant turn opened.
 
     No system message is given, so a template such as SmolLM2's inserts its default
     system prompt. That is harmless here: bot A's tokens are never supervised, and
     the student/teacher sequences are built elsewhere without that prompt.
+    A `focus` sentence (synthesis' `focus` lever) is quoted before the instruction,
+    so the question is about that fact of the chunk rather than whichever bot A picks.
     The label is tokenized without a trailing space so the model's next token
     carries its own leading space (" What ..."), as in ordinary text.
     """
     s = seed(seed_type)
-    messages = [{"role": "user", "content": f"{chunk_text}\n\n{s.instruction}"}]
+    ask = f"{FOCUS_LEAD} {focus}\n{s.instruction}" if focus else s.instruction
+    messages = [{"role": "user", "content": f"{chunk_text}\n\n{ask}"}]
     ids = chat_ids(tokenizer, messages, add_generation_prompt=True)
     label = tokenizer(s.assistant_prefix.rstrip(), add_special_tokens=False)["input_ids"]
     return ids + [int(t) for t in label]

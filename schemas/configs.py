@@ -201,6 +201,10 @@ class SynthConfig(_Config):
     # Bot B verifies up to this many prompt-lookup draft tokens per step (greedy, so the
     # same answers). Off by default: it does not pay in wide CPU batches (docs/BENCHMARKS.md).
     spec_b: int = added(0)
+    # Each conversation's bot A is shown one sentence of its chunk to ask about, consecutive
+    # conversations about a span taking consecutive sentences: questions spread over the
+    # chunk's facts instead of the few bot A would pick (fact coverage, docs/QUALITY.md).
+    focus: bool = added(False)
 
     def validate(self) -> None:
         for name in ("max_q", "max_a", "gen_batch"):

@@ -22,6 +22,7 @@ import pyarrow as pa
 
 from cartridges.batch import Stream
 from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
+from cartridges.facts import focus_sentence
 from cartridges.generate import LOOP_SPAN, generate, loop_start
 from cartridges.models import LoadedModel
 from cartridges.seeds import (
@@ -33,6 +34,7 @@ from cartridges.seeds import (
     stops_at_question,
 )
 from cartridges.sharing import SHARE_MIN
+from cartridges.spans import keyed_seed
 from schemas import TABLES, SynthConfig, validate_table
 from stages.fanout import Fanout
 from storage import StageContext, Store
@@ -60,6 +62,13 @@ def chunk_context(chunk: dict, doc_names: dict[int, str], multi: bool, tokenizer
     return text
 
 
+def focus_of(chunk: dict, config: SynthConfig, tokenizer) -> str | None:
+    """The sentence this conversation asks about: a span's conversations have consecutive
+    chunk ids, so they take consecutive sentences from an offset keyed by the span."""
+    offset = keyed_seed(config.seed, "focus", chunk["doc_id"], chunk["start"], chunk["end"])
+    return focus_sentence(tokenizer.decode(chunk["token_ids"]), offset + int(chunk["chunk_id"]))
+
+
 def synthesize_group(
     lm: LoadedModel, chunks: list[dict], contexts: list[str], config: SynthConfig,
     progress: Callable[[int], None] | None = None,
@@ -70,8 +79,9 @@ def synthesize_group(
     a_streams = []
     for chunk, ctx in zip(chunks, contexts, strict=True):
         stops = eot + (question_stop_ids(tok) if stops_at_question(chunk["seed_type"], config.stop_at_question) else ())
+        focus = focus_of(chunk, config, tok) if config.focus else None
         a_streams.append(Stream(
-            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"]), max_new=config.max_q,
+            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus), max_new=config.max_q,
             temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
         ))
     a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)

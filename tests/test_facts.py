@@ -78,3 +78,13 @@ def test_sentence_rows_count_only_training_conversations_of_the_same_document():
     assert fact_coverage(rows) == 1 / 3
     # With the filter off, a conversation bot A's check rejected still trains, so it counts.
     assert [r["conversations"] for r in sentence_rows(docs, convs, filtered=False)] == [2, 0, 0]
+
+
+def test_focus_sentences_skip_cut_ends_and_rotate_over_whole_sentences():
+    from cartridges.facts import focus_sentence
+
+    text = "ing cut at the start. One whole fact here. A second whole fact. Third whole fact there. Cut at the e"
+    whole = ["One whole fact here.", "A second whole fact.", "Third whole fact there."]
+    assert [focus_sentence(text, t) for t in range(5, 11)] == [whole[t % 3] for t in range(5, 11)]
+    assert focus_sentence("Only one sentence here.", 4) == "Only one sentence here."
+    assert focus_sentence("--- ###", 0) is None

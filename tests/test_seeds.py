@@ -116,3 +116,12 @@ def test_score_answer():
     assert score_answer("The size of the sliding window in Deflate", q) == (False, "copy")
     # Reusing the question's words while adding the fact is an answer, not a copy.
     assert score_answer("The size of the sliding window in Deflate is 32 KB.", q) == (True, "")
+
+
+def test_a_focus_sentence_is_quoted_before_the_instruction(tok):
+    from cartridges.seeds import FOCUS_LEAD
+
+    focus = "Huffman codes for literals."
+    text = tok.decode(bot_a_prompt(tok, CHUNK, "question", focus))
+    assert f"<|im_start|>user\n{CHUNK}\n\n{FOCUS_LEAD} {focus}\n{SEEDS['question'].instruction}<|im_end|>" in text
+    assert tok.decode(bot_a_prompt(tok, CHUNK, "question", None)) == tok.decode(bot_a_prompt(tok, CHUNK, "question"))

@@ -53,3 +53,41 @@ def test_bot_a_stops_at_a_question_mark_unless_the_lever_is_off(monkeypatch):
     off = _bot_a_stops(monkeypatch, SynthConfig(stop_at_question=False))
     assert q <= set(on[0])
     assert not q & set(off[0]) and off[0]  # end-of-turn still stops it
+
+
+def test_focus_gives_a_spans_conversations_consecutive_sentences_of_their_chunk(monkeypatch):
+    """With synth.focus, bot A's prompts about one span quote different whole sentences of it,
+    consecutive in the chunk (cyclically); without it, no sentence is quoted."""
+    from cartridges.generate import Generation
+    from cartridges.seeds import FOCUS_LEAD
+    from schemas import SynthConfig
+    from stages import synthesize
+
+    tok = tiny_tokenizer()
+    whole = [f"Fact number {i} says {w} is true." for i, w in enumerate(["alpha", "beta", "gamma", "delta", "omega"])]
+    text = "tail of a cut sentence. " + " ".join(whole) + " A cut"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+
+    def prompts(config: SynthConfig) -> list[str]:
+        seen: list[str] = []
+
+        def fake_generate(model, streams, batch_size, progress=None, share_min=0):
+            if not seen:
+                seen.extend(tok.decode(s.prompt) for s in streams)
+            return [Generation(tokens=[], finished="stop") for _ in streams]
+
+        monkeypatch.setattr(synthesize, "generate", fake_generate)
+        chunks = [{"chunk_id": 14 + i, "doc_id": 0, "start": 100, "end": 100 + len(ids), "token_ids": ids,
+                   "seed_type": t, "split": "train", "rng_seed": i, "tokens": len(ids)}
+                  for i, t in enumerate(["question", "verbatim", "mechanism", "creative"])]
+        synthesize.synthesize_group(tiny_llama(), chunks, [text] * 4, config)
+        return seen
+
+    quoted = []
+    for prompt in prompts(SynthConfig(focus=True)):
+        line = next(x for x in prompt.splitlines() if x.startswith(FOCUS_LEAD))
+        quoted.append(line[len(FOCUS_LEAD):].strip())
+    first = whole.index(quoted[0])
+    assert quoted == [whole[(first + i) % len(whole)] for i in range(4)]
+    assert not any(FOCUS_LEAD in p for p in prompts(SynthConfig()))
