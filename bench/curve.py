@@ -379,9 +379,9 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
             f"| {_pct(r['cartridge_accuracy'])} | {_pct(r['icl_accuracy'])} | {r['health_failed']} "
             f"| {_num(r['train_wall_min'], '{:.1f}')} |")
     lines += ["", fit_line(f), "",
-              "| doc | seed | conversations (used) | held-out change | bare / cartridge / ICL accuracy "
-              "| gold NLL bare / cartridge / ICL | NLL closure (95% CI) | accuracy closure (95% CI) | train min "
-              "| eval min |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| doc | seed | conversations (used) | train args | held-out change | bare / cartridge / ICL accuracy "
+              "| gold NLL bare / cartridge / ICL | NLL closure (95% CI) | accuracy closure (95% CI) | fact coverage "
+              "| train min | eval min |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     order = sorted(records, key=lambda r: (int(r["conversations_planned"]), r["doc"], int(r["seed"])))
     for r in order:
         arms = r.get("arms") or {}
@@ -396,7 +396,9 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
         change = _num(r.get("heldout_change") and 100 * r["heldout_change"], "{:+.1f}%")
         lines.append(
             f"| {r['doc']} | {r['seed']} | {int(r['conversations_planned']):,} ({r.get('conversations_used')}) "
+            f"| {' '.join(r.get('extra_train_args') or ()) or '(default)'} "
             f"| {change}{health} | {acc} | {nll} | {closures[0]} | {closures[1]} "
+            f"| {_pct((r.get('train') or {}).get('fact_coverage'))} "
             f"| {_num(r.get('train_wall_s') and r['train_wall_s'] / 60, '{:.1f}')}{resumed} "
             f"| {_num(r.get('eval_wall_s') and r['eval_wall_s'] / 60, '{:.1f}')} |")
     return "\n".join(lines)

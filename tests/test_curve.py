@@ -150,6 +150,7 @@ def test_aggregate_and_fit_match_a_hand_computation():
     assert "| 0.10 [1 defined] |" in text.split("\n")[2]  # one defined accuracy point: no interval
     assert "10,000 conversations" in text
     assert "(resumed)" not in text
+    assert text.count("| (default) |") == len(records)
     records[0]["train"]["skipped"] = ["ingest", "chunks", "synthesize"]
     assert curve.markdown(records, rows, f).count("(resumed)") == 1
 
