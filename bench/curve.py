@@ -11,7 +11,8 @@ order of increasing conversations, so the cheap end of the curve lands first.
     python -m bench.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
         [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"] [--json]
-    python -m bench.curve plot [--out docs/quality/curve.jsonl] [--png docs/quality/curve.png] [--markdown] [--json]
+    python -m bench.curve plot [--out docs/quality/curve.jsonl] [--png docs/quality/curve.png]
+        [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -448,14 +449,24 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
     os.replace(tmp, png)
 
 
-def plot(out: Path, png: Path) -> dict:
-    records = read_records(out)
+def select(records: Sequence[dict], train_args: Sequence[str] | None) -> list[dict]:
+    """The points of one configuration (their extra train arguments); None: every point."""
+    if train_args is None:
+        return list(records)
+    return [r for r in records if list(r.get("extra_train_args") or ()) == list(train_args)]
+
+
+def plot(out: Path, png: Path, train_args: Sequence[str] | None = None) -> dict:
+    """One configuration's curve: a mean over (doc, seed) per budget only means something within one."""
+    records = select(read_records(out), train_args)
     if not records:
-        raise SystemExit(f"curve: {out} holds no finished point; run `python -m bench.curve run` first")
+        which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
+        raise SystemExit(f"curve: {out} holds no finished point{which}; run `python -m bench.curve run` first")
     rows = aggregate(records)
     f = fit(rows)
     plot_png(records, rows, f, png)
-    return {"out": str(out), "png": str(png), "points": len(records), "rows": rows, "fit": f}
+    return {"out": str(out), "png": str(png), "points": len(records), "rows": rows, "fit": f,
+            "train_args": None if train_args is None else list(train_args), "records": records}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="the curve as a PNG, a Markdown table and a log-linear fit")
     p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--png", default=DEFAULT_PNG)
+    p.add_argument("--train-args", default=None,
+                   help="only the points run with these extra train arguments ('' for the defaults); default: all")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -493,9 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(summary), flush=True)
         return 1 if summary["failed"] else 0
-    result = plot(Path(args.out), Path(args.png))
+    result = plot(Path(args.out), Path(args.png), None if args.train_args is None else shlex.split(args.train_args))
+    records = result.pop("records")
     if args.markdown:
-        print(markdown(read_records(Path(args.out)), result["rows"], result["fit"]))
+        print(markdown(records, result["rows"], result["fit"]))
     else:
         print(fit_line(result["fit"]))
     print(f"plot: {result['png']} ({result['points']} points)")

@@ -171,6 +171,24 @@ def test_plot_writes_a_png_and_the_cli_prints_the_fit(tmp_path, capsys):
     assert "| doc | seed |" in stdout and "fit: mean NLL closure" in stdout
 
 
+def test_plot_selects_one_configuration_by_its_train_args(tmp_path, capsys):
+    out, png = tmp_path / "curve.jsonl", tmp_path / "curve.png"
+    tuned = _synthetic("raft", 7, 100, 0.5, 0.1)
+    tuned["extra_train_args"] = ["--lr", "2e-2"]
+    for rec in (_synthetic("raft", 7, 100, 0.0, 0.1), tuned):
+        curve.append_record(out, rec)
+    assert curve.main(["plot", "--out", str(out), "--png", str(png), "--train-args", "--lr 2e-2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["points"] == 1 and summary["rows"][0]["nll_closure"] == pytest.approx(0.5)
+    assert curve.main(["plot", "--out", str(out), "--png", str(png), "--train-args", "", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["points"] == 1 and summary["rows"][0]["nll_closure"] == pytest.approx(0.0)
+    assert curve.main(["plot", "--out", str(out), "--png", str(png), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["points"] == 2
+    with pytest.raises(SystemExit, match="train args '--p 512'"):
+        curve.main(["plot", "--out", str(out), "--png", str(png), "--train-args", "--p 512"])
+
+
 def test_plot_without_results_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no finished point"):
         curve.main(["plot", "--out", str(tmp_path / "none.jsonl"), "--png", str(tmp_path / "c.png")])
