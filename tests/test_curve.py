@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +193,36 @@ def test_plot_selects_one_configuration_by_its_train_args(tmp_path, capsys):
 def test_plot_without_results_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no finished point"):
         curve.main(["plot", "--out", str(tmp_path / "none.jsonl"), "--png", str(tmp_path / "c.png")])
+
+
+def _fake_eval(store: Path, name: str, cartridge: str, gold: dict[str, list[float]]) -> None:
+    d = store / "eval-store" / "eval" / name
+    d.mkdir(parents=True)
+    (d / "result.json").write_text(json.dumps({"cartridges": [cartridge]}))
+    rows = [{"arm": arm, "line": i + 1, "gold_nll": v} for arm, vals in gold.items() for i, v in enumerate(vals)]
+    (d / "answers.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_compare_pairs_two_points_question_by_question(tmp_path, capsys):
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    bare, icl = [6.0, 5.0, 7.0, 6.0], [4.0, 3.0, 5.0, 4.0]  # gap 2 on every question
+    base_cart, other_cart = [5.0, 4.0, 6.0, 5.0], [4.5, 4.0, 5.0, 5.5]  # changes -0.5, 0, -1, +0.5
+    records = []
+    for i, (args, cart) in enumerate(((["--lr", "2e-3"], base_cart), (["--focus"], other_cart))):
+        rec = _synthetic("raft", 7, 250, 0.1, 0.1)
+        rec.update(extra_train_args=args, cartridge=f"/c{i}.safetensors", store=str(store / f"p{i}"))
+        _fake_eval(store, f"e{i}", rec["cartridge"], {"bare": bare, "icl": icl, "cartridge": cart})
+        curve.append_record(out, rec)
+        records.append(rec)
+    c = curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"])
+    assert c["questions"] == 4 and c["gold_nll_change"] == pytest.approx(-0.25)
+    assert c["gap"] == pytest.approx(2.0) and c["closure_change"] == pytest.approx(0.125)
+    assert (c["better"], c["worse"]) == (2, 1)
+    lo, hi = c["gold_nll_change_ci"]
+    assert -1.0 <= lo <= -0.25 <= hi <= 0.5  # inside the range of resampled means
+    assert c["closure_change_ci"] == pytest.approx([-hi / 2, -lo / 2])
+    assert curve.main(["compare", "--out", str(out), "--doc", "raft", "--seed", "7", "--conversations", "250",
+                       "--base", "--lr 2e-3", "--other=--focus", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gold_nll_change"] == pytest.approx(-0.25)
+    with pytest.raises(SystemExit, match="no point raft seed 7 n 500"):
+        curve.compare([out], "raft", 7, 500, [], ["--focus"])
