@@ -31,10 +31,11 @@ def _bad(cfg: object, name: str, why: str) -> ConfigError:
 _ADDED = "added"
 
 
-def added(default: Any) -> Any:
-    """A field added after artifacts were made with the config: at `default` it changes nothing
-    the stage does, and it stays out of the fingerprint, so those artifacts are still reused."""
-    return dataclasses.field(default=default, metadata={_ADDED: True})
+def added(default: Any, before: Any = None) -> Any:
+    """A field added after artifacts were made with the config. At `before` (the behaviour from
+    before the field existed; `default` unless given) it stays out of the fingerprint, so those
+    artifacts are still reused; the default may since have moved on to a better setting."""
+    return dataclasses.field(default=default, metadata={_ADDED: True, "before": default if before is None else before})
 
 
 class _Config:
@@ -55,12 +56,12 @@ class _Config:
         """Subclasses raise ConfigError here; types are already checked."""
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe, key-sorted dict; the form that gets fingerprinted. An `added` field at
-        its default is left out, so artifacts made before it existed keep their fingerprints."""
+        """JSON-safe, key-sorted dict; the form that gets fingerprinted. An `added` field at its
+        `before` value is left out, so artifacts made before it existed keep their fingerprints."""
         out: dict[str, Any] = {}
         for f in sorted(dataclasses.fields(self), key=lambda f: f.name):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if f.metadata.get(_ADDED) and value == f.default:
+            if f.metadata.get(_ADDED) and value == f.metadata["before"]:
                 continue
             out[f.name] = _jsonable(value)
         return out
