@@ -507,16 +507,17 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
     os.replace(tmp, png)
 
 
-def select(records: Sequence[dict], train_args: Sequence[str] | None) -> list[dict]:
-    """The points of one configuration (their extra train arguments); None: every point."""
-    if train_args is None:
-        return list(records)
-    return [r for r in records if list(r.get("extra_train_args") or ()) == list(train_args)]
+def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequence[str] | None = None) -> list[dict]:
+    """The points of one configuration (their extra train arguments) and of `docs`; None: all."""
+    return [r for r in records
+            if (train_args is None or list(r.get("extra_train_args") or ()) == list(train_args))
+            and (docs is None or r["doc"] in docs)]
 
 
-def plot(out: Path, png: Path, train_args: Sequence[str] | None = None) -> dict:
-    """One configuration's curve: a mean over (doc, seed) per budget only means something within one."""
-    records = select(read_records(out), train_args)
+def plot(out: Path, png: Path, train_args: Sequence[str] | None = None, docs: Sequence[str] | None = None) -> dict:
+    """One configuration's curve: a mean over (doc, seed) per budget only means something within one,
+    and over the same documents at every budget (`docs`)."""
+    records = select(read_records(out), train_args, docs)
     if not records:
         which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
         raise SystemExit(f"curve: {out} holds no finished point{which}; run `python -m bench.curve run` first")
@@ -551,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default=DEFAULT_PNG)
     p.add_argument("--train-args", default=None,
                    help="only the points run with these extra train arguments ('' for the defaults); default: all")
+    p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("compare", help="two configurations' cartridges on the same questions (paired)")
@@ -583,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(summary), flush=True)
         return 1 if summary["failed"] else 0
-    result = plot(Path(args.out), Path(args.png), None if args.train_args is None else shlex.split(args.train_args))
+    result = plot(Path(args.out), Path(args.png), None if args.train_args is None else shlex.split(args.train_args),
+                  args.docs)
     records = result.pop("records")
     if args.markdown:
         print(markdown(records, result["rows"], result["fit"]))

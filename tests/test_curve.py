@@ -186,6 +186,8 @@ def test_plot_selects_one_configuration_by_its_train_args(tmp_path, capsys):
     assert summary["points"] == 1 and summary["rows"][0]["nll_closure"] == pytest.approx(0.0)
     assert curve.main(["plot", "--out", str(out), "--png", str(png), "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["points"] == 2
+    assert curve.select(curve.read_records(out), None, ["panama"]) == []
+    assert len(curve.select(curve.read_records(out), None, ["raft"])) == 2
     with pytest.raises(SystemExit, match="train args '--p 512'"):
         curve.main(["plot", "--out", str(out), "--png", str(png), "--train-args", "--p 512"])
 
