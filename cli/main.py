@@ -86,7 +86,7 @@ STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", action="append", help="text file or directory (repeatable)")
-    parser.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
+    parser.add_argument("--preset", default="default", help="budget preset: default, large, demo, smoke")
     parser.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
     for flag, section, field, kind in PIPELINE_OPTIONS:
         parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}",
