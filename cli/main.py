@@ -86,7 +86,7 @@ STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", action="append", help="text file or directory (repeatable)")
-    parser.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
+    parser.add_argument("--preset", default="default", help="budget preset: default, large, demo, smoke")
     parser.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
     for flag, section, field, kind in PIPELINE_OPTIONS:
         parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}",
@@ -95,8 +95,8 @@ def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
     parser.add_argument("--no-stop-at-question", action="store_true",
                         help="let bot A's message run past its first '?'")
-    parser.add_argument("--focus", action="store_true",
-                        help="show bot A one sentence of its chunk to ask about (consecutive per span)")
+    parser.add_argument("--focus", action=argparse.BooleanOptionalAction, default=None,
+                        help="show bot A one sentence of its chunk to ask about (consecutive per span; default on)")
     parser.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
     parser.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
     parser.add_argument("--draft-ref", action="store_true",
@@ -118,8 +118,8 @@ def pipeline_config(args: argparse.Namespace):
         overrides.setdefault("synth", {})["filter"] = False
     if args.no_stop_at_question:
         overrides.setdefault("synth", {})["stop_at_question"] = False
-    if args.focus:
-        overrides.setdefault("synth", {})["focus"] = True
+    if args.focus is not None:
+        overrides.setdefault("synth", {})["focus"] = args.focus
     if args.no_pack:
         overrides.setdefault("train", {})["pack"] = False
     if args.checkpoint:

@@ -63,7 +63,7 @@ def test_synthesized_student_sequence_is_the_served_prompt_plus_the_answer(famil
     tok = lm.tokenizer
     chunks = [{"chunk_id": i, "doc_id": 0, "seed_type": "question", "split": "train", "rng_seed": i, "tokens": 8}
               for i in range(2)]
-    rows = synthesize_group(lm, chunks, [DOC, DOC + " Twice."], SynthConfig(max_q=6, max_a=6, filter=False))
+    rows = synthesize_group(lm, chunks, [DOC, DOC + " Twice."], SynthConfig(max_q=6, max_a=6, filter=False, focus=False))
     assert len(rows) == 2
     for row, ctx in zip(rows, [DOC, DOC + " Twice."], strict=True):
         student, start = row["student_ids"], row["student_answer_start"]

@@ -25,16 +25,16 @@ from schemas import (
 
 def test_defaults_are_exact() -> None:
     train, chunks, synth, teacher = TrainConfig(), ChunkConfig(), SynthConfig(), TeacherConfig()
-    assert (train.p, train.frozen, train.lr, train.accum, train.epochs) == (256, 1, 2e-3, 4, 4)
+    assert (train.p, train.frozen, train.lr, train.accum, train.epochs) == (256, 1, 2e-2, 4, 2)
     assert (train.init, train.pack, train.checkpoint, train.save_every, train.seed) == (
         "corpus", True, False, 0, 7)
     assert (chunks.chunk_min, chunks.chunk_max, chunks.conversations, chunks.heldout) == (
-        256, 512, 160, 16)
+        256, 512, 1000, 16)
     assert chunks.seed == 7
     assert chunks.seed_types == ("structuring", "summarization", "question", "use_case",
                                  "creative", "mechanism", "verbatim")
     assert (synth.max_q, synth.max_a, synth.temperature_a, synth.gen_batch) == (64, 160, 0.6, 64)
-    assert (synth.seed, synth.filter) == (7, True)
+    assert (synth.seed, synth.filter, synth.focus) == (7, True, True)
     assert (teacher.top_k, teacher.top_mass, teacher.batch) == (20, 0.99, 8)
     assert IngestConfig().max_bytes == 16 * 1024 * 1024
     assert IngestConfig().extensions == (".md", ".txt")
@@ -92,7 +92,7 @@ def test_boundaries_accepted() -> None:
 def test_replace_validates_and_keeps_original() -> None:
     base = TrainConfig()
     assert base.replace(lr=1e-2).lr == 1e-2
-    assert base.lr == 2e-3
+    assert base.lr == 2e-2
     with pytest.raises(ConfigError, match="frozen"):
         base.replace(p=4, frozen=4)
     with pytest.raises(ConfigError, match="nope"):
@@ -208,3 +208,5 @@ def test_added_fields_stay_out_of_the_fingerprint_at_their_defaults() -> None:
     assert cosine.to_dict()["schedule"] == "cosine" and TrainConfig.from_dict(cosine.to_dict()) == cosine
     assert fingerprint("train", 1, cosine.to_dict(), []) != fingerprint("train", 1, train.to_dict(), [])
     assert fingerprint("train", 1, train.replace(warmup=0.0).to_dict(), []) == fingerprint("train", 1, train.to_dict(), [])
+    # focus is on by default now; off, as every synthesis before it existed was, it stays out
+    assert synth.to_dict()["focus"] is True and "focus" not in synth.replace(focus=False).to_dict()

@@ -40,7 +40,9 @@ def _bot_a_stops(monkeypatch, config) -> list[tuple[int, ...]]:
         return [Generation(tokens=[], finished="stop") for _ in streams]
 
     monkeypatch.setattr(synthesize, "generate", fake_generate)
-    chunk = {"chunk_id": 0, "doc_id": 0, "seed_type": "question", "split": "train", "rng_seed": 1, "tokens": 4}
+    ids = tiny_tokenizer()("Some text.", add_special_tokens=False)["input_ids"]
+    chunk = {"chunk_id": 0, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
+             "split": "train", "rng_seed": 1, "tokens": len(ids)}
     synthesize.synthesize_group(tiny_llama(), [chunk], ["Some text."], config)
     return seen
 
@@ -56,7 +58,7 @@ def test_bot_a_stops_at_a_question_mark_unless_the_lever_is_off(monkeypatch):
 
 
 def test_focus_gives_a_spans_conversations_consecutive_sentences_of_their_chunk(monkeypatch):
-    """With synth.focus, bot A's prompts about one span quote different whole sentences of it,
+    """With synth.focus (the default), bot A's prompts about one span quote different whole sentences of it,
     consecutive in the chunk (cyclically); without it, no sentence is quoted."""
     from cartridges.generate import Generation
     from cartridges.seeds import FOCUS_LEAD
@@ -90,4 +92,4 @@ def test_focus_gives_a_spans_conversations_consecutive_sentences_of_their_chunk(
         quoted.append(line[len(FOCUS_LEAD):].strip())
     first = whole.index(quoted[0])
     assert quoted == [whole[(first + i) % len(whole)] for i in range(4)]
-    assert not any(FOCUS_LEAD in p for p in prompts(SynthConfig()))
+    assert not any(FOCUS_LEAD in p for p in prompts(SynthConfig(focus=False)))
