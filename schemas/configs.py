@@ -151,7 +151,7 @@ class IngestConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig(_Config):
-    conversations: int = 1000  # docs/QUALITY.md: about 30 minutes for a 2,500-token document, 2 epochs
+    conversations: int = 1000  # docs/QUALITY.md: about 20 minutes for a 3,000-token document, 2 epochs
     heldout: int = 16
     chunk_min: int = 256
     chunk_max: int = 512
