@@ -253,6 +253,7 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             continue
         record = make_record(name, seed, n, dtype, eval_dtype, extra, train, evaluation, train_wall, eval_wall,
                              directory, extra_eval)
+        record["gold_nll_by_line"] = per_question(record, store / "eval-store")
         append_record(out, record)
         done.add(key)
         ran.append(label)
@@ -349,7 +350,12 @@ def fit(rows: Sequence[dict], key: str = "nll_closure", target: float = TARGET) 
 
 
 def eval_answers(record: dict, eval_store: Path) -> dict[int, dict[str, float]]:
-    """Per question line: each arm's gold-option NLL, from the eval that scored this point's cartridge."""
+    """Per question line: each arm's gold-option NLL. A record keeps them itself (`gold_nll_by_line`),
+    so a committed results file pairs without its stores; older records fall back to the eval that
+    scored this point's cartridge."""
+    kept = record.get("gold_nll_by_line")
+    if kept:
+        return {int(line): {arm: float(v) for arm, v in arms.items()} for line, arms in kept.items()}
     for result in sorted(eval_store.glob("eval/*/result.json")):
         if json.loads(result.read_text()).get("cartridges") != [record["cartridge"]]:
             continue
@@ -360,6 +366,16 @@ def eval_answers(record: dict, eval_store: Path) -> dict[int, dict[str, float]]:
                 out.setdefault(int(row["line"]), {})[row["arm"]] = float(row["gold_nll"])
         return out
     raise SystemExit(f"curve: no eval in {eval_store} scored {record['cartridge']}")
+
+
+def per_question(record: dict, eval_store: Path) -> dict[str, dict[str, float]] | None:
+    """What a record keeps of its eval's answers (JSON keys are strings); None when the eval left none."""
+    try:
+        answers = eval_answers(record, eval_store)
+    except SystemExit as exc:
+        log(f"{exc}; the record keeps no per-question NLLs")
+        return None
+    return {str(line): arms for line, arms in sorted(answers.items())}
 
 
 def paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], samples: int = 2000,

@@ -228,3 +228,41 @@ def test_compare_pairs_two_points_question_by_question(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gold_nll_change"] == pytest.approx(-0.25)
     with pytest.raises(SystemExit, match="no point raft seed 7 n 500"):
         curve.compare([out], "raft", 7, 500, [], ["--focus"])
+
+
+def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
+    import shutil
+
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    bare, icl = [6.0, 5.0, 7.0], [4.0, 3.0, 5.0]
+    carts = {"2e-3": [5.0, 4.0, 6.0], "2e-2": [4.0, 4.5, 5.0]}
+
+    class EvalWritingRunner(FakeRunner):
+        """Reports the --save path as the cartridge and scores it into the eval store, as the CLI does."""
+
+        def __call__(self, argv: list[str]) -> tuple[int, str]:
+            self.calls.append(argv)
+            if "train" in argv:
+                self.lr = argv[argv.index("--lr") + 1]
+                report = {**_train_json(8), "cartridge": argv[argv.index("--save") + 1]}
+                return 0, json.dumps(report) + "\n"
+            cartridge = argv[argv.index("--cartridge") + 1]
+            _fake_eval(store, f"e{len(self.calls)}", cartridge, {"bare": bare, "icl": icl, "cartridge": carts[self.lr]})
+            return 0, json.dumps(_eval_json(0.2)) + "\n"
+
+    runner = EvalWritingRunner()
+    for lr in carts:
+        curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra=["--lr", lr], runner=runner)
+    records = curve.read_records(out)
+    assert [r["gold_nll_by_line"]["3"] for r in records] == [
+        {"bare": 7.0, "icl": 5.0, "cartridge": 6.0}, {"bare": 7.0, "icl": 5.0, "cartridge": 5.0}]
+    shutil.rmtree(store)  # the committed results file alone must pair the two points
+    c = curve.compare([out], "raft", 7, 8, ["--lr", "2e-3"], ["--lr", "2e-2"])
+    assert c["questions"] == 3 and c["gold_nll_change"] == pytest.approx((-1.0 + 0.5 - 1.0) / 3)
+    assert (c["better"], c["worse"]) == (2, 1)
+
+
+def test_a_record_without_an_eval_in_the_store_keeps_no_per_question_nlls(tmp_path):
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, runner=FakeRunner())
+    assert curve.read_records(out)[0]["gold_nll_by_line"] is None
