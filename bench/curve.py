@@ -11,7 +11,7 @@ order of increasing conversations, so the cheap end of the curve lands first.
     python -m bench.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
         [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"] [--json]
-    python -m bench.curve plot [--out docs/quality/curve.jsonl] [--png docs/quality/curve.png]
+    python -m bench.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
     python -m bench.curve compare --doc raft --seed 7 --conversations 250 [--base ""] --other "--lr 2e-2" [--json]
 
@@ -137,6 +137,13 @@ def read_records(path: Path) -> list[dict]:
         if isinstance(record, dict) and record.get("status") == "done":
             records.append(record)
     return records
+
+
+def read_all(paths: Sequence[Path]) -> list[dict]:
+    """Finished points of several results files (a curve beside its levers); where two hold the same
+    measurement, the later one counts."""
+    by_key = {point_key(r): r for path in paths for r in read_records(path)}
+    return list(by_key.values())
 
 
 def append_record(path: Path, record: dict) -> None:
@@ -405,7 +412,7 @@ def paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], sampl
 
 def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str]) -> dict:
     """`other` against `base` at one (doc, seed, conversations) point of the results files."""
-    found, records = {}, [r for out in outs for r in read_records(out)]
+    found, records = {}, read_all(outs)
     for name, args in (("base", base), ("other", other)):
         match = [r for r in select(records, args)
                  if r["doc"] == doc and int(r["seed"]) == seed and int(r["conversations_planned"]) == n]
@@ -530,17 +537,19 @@ def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequ
             and (docs is None or r["doc"] in docs)]
 
 
-def plot(out: Path, png: Path, train_args: Sequence[str] | None = None, docs: Sequence[str] | None = None) -> dict:
+def plot(outs: Sequence[Path], png: Path, train_args: Sequence[str] | None = None,
+         docs: Sequence[str] | None = None) -> dict:
     """One configuration's curve: a mean over (doc, seed) per budget only means something within one,
     and over the same documents at every budget (`docs`)."""
-    records = select(read_records(out), train_args, docs)
+    records = select(read_all(outs), train_args, docs)
+    where = ", ".join(map(str, outs))
     if not records:
         which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
-        raise SystemExit(f"curve: {out} holds no finished point{which}; run `python -m bench.curve run` first")
+        raise SystemExit(f"curve: {where} holds no finished point{which}; run `python -m bench.curve run` first")
     rows = aggregate(records)
     f = fit(rows)
     plot_png(records, rows, f, png)
-    return {"out": str(out), "png": str(png), "points": len(records), "rows": rows, "fit": f,
+    return {"out": [str(o) for o in outs], "png": str(png), "points": len(records), "rows": rows, "fit": f,
             "train_args": None if train_args is None else list(train_args), "records": records}
 
 
@@ -564,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-eval-args", default="", help="further `cartridges eval` options, one string")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="the curve as a PNG, a Markdown table and a log-linear fit")
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to look in")
     p.add_argument("--png", default=DEFAULT_PNG)
     p.add_argument("--train-args", default=None,
                    help="only the points run with these extra train arguments ('' for the defaults); default: all")
@@ -601,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(summary), flush=True)
         return 1 if summary["failed"] else 0
-    result = plot(Path(args.out), Path(args.png), None if args.train_args is None else shlex.split(args.train_args),
+    result = plot([Path(o) for o in args.out], Path(args.png), None if args.train_args is None else shlex.split(args.train_args),
                   args.docs)
     records = result.pop("records")
     if args.markdown:

@@ -192,6 +192,17 @@ def test_plot_selects_one_configuration_by_its_train_args(tmp_path, capsys):
         curve.main(["plot", "--out", str(out), "--png", str(png), "--train-args", "--p 512"])
 
 
+def test_plot_reads_several_results_files_and_the_later_copy_of_a_point_counts(tmp_path, capsys):
+    curve_out, levers_out, png = tmp_path / "curve.jsonl", tmp_path / "levers.jsonl", tmp_path / "c.png"
+    curve.append_record(curve_out, _synthetic("raft", 7, 100, 0.1, 0.1))
+    curve.append_record(curve_out, _synthetic("raft", 7, 1000, 0.2, 0.1))
+    curve.append_record(levers_out, _synthetic("raft", 7, 1000, 0.4, 0.1))  # the same point, measured again
+    assert curve.main(["plot", "--out", str(curve_out), str(levers_out), "--png", str(png), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["points"] == 2 and summary["out"] == [str(curve_out), str(levers_out)]
+    assert [r["nll_closure"] for r in summary["rows"]] == pytest.approx([0.1, 0.4])
+
+
 def test_plot_without_results_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no finished point"):
         curve.main(["plot", "--out", str(tmp_path / "none.jsonl"), "--png", str(tmp_path / "c.png")])
