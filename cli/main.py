@@ -16,7 +16,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
-from schemas.configs import HELDOUT_REGIONS, LR_SCHEDULES
+from schemas.configs import HELDOUT_REGIONS, LR_SCHEDULES, TEACHER_CONTEXTS
 
 
 @command("equiv")
@@ -67,6 +67,7 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--gen-batch", "synth", "gen_batch", int),
     ("--keep-topk", "synth", "keep_topk", int),
     ("--spec-b", "synth", "spec_b", int),
+    ("--teacher-context", "synth", "teacher_context", str),
     ("--top-k", "teacher", "top_k", int),
     ("--top-mass", "teacher", "top_mass", float),
     ("--p", "train", "p", int),
@@ -80,7 +81,8 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--save-every", "train", "save_every", int),
     ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
-OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS, "--schedule": LR_SCHEDULES}
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS, "--schedule": LR_SCHEDULES,
+                                              "--teacher-context": TEACHER_CONTEXTS}
 STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 

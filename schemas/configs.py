@@ -17,6 +17,7 @@ SEED_TYPES: tuple[str, ...] = (
 INITS: tuple[str, ...] = ("corpus", "random")
 HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
+TEACHER_CONTEXTS: tuple[str, ...] = ("chunk", "document")
 
 
 class ConfigError(ValueError):
@@ -206,8 +207,14 @@ class SynthConfig(_Config):
     # conversations about a span taking consecutive sentences: questions spread over the
     # chunk's facts instead of the few bot A would pick (fact coverage, docs/QUALITY.md).
     focus: bool = added(True, before=False)
+    # What bot B (whose answer distributions are the teacher's targets) sees: the conversation's
+    # chunk, as in the paper, or the chunk's whole document, as the in-context arm of the eval
+    # does (a document must then fit the model's context beside the conversation).
+    teacher_context: str = added("chunk")
 
     def validate(self) -> None:
+        if self.teacher_context not in TEACHER_CONTEXTS:
+            raise _bad(self, "teacher_context", f"must be one of {list(TEACHER_CONTEXTS)}")
         for name in ("max_q", "max_a", "gen_batch"):
             if getattr(self, name) < 1:
                 raise _bad(self, name, "must be >= 1")

@@ -14,7 +14,7 @@ from cartridges.fleet.plan import Chunk, RoundPlan, heldout_chunks
 from cartridges.models import LoadedModel
 from cartridges.train import Example
 from schemas import TABLES, FleetConfig, SynthConfig, TeacherConfig, validate_table
-from stages.synthesize import chunk_context, synthesize_group
+from stages.synthesize import chunk_context, document_contexts, synthesize_group
 from stages.teacher import target_rows, usable
 from stages.train import load_examples
 from storage import StageContext, StageResult, Store
@@ -34,10 +34,16 @@ def chunk_rows(chunks: list[Chunk], token_ids: list[int], split: str) -> list[di
     ]
 
 
-def _conversations(ctx: StageContext, lm: LoadedModel, rows: list[dict], synth: SynthConfig,
+def _conversations(ctx: StageContext, lm: LoadedModel, rows: list[dict], doc: dict, synth: SynthConfig,
                    teacher: TeacherConfig) -> None:
     contexts = [chunk_context(r, {}, False, lm.tokenizer) for r in rows]
-    convs = synthesize_group(lm, rows, contexts, synth) if rows else []
+    answers = None
+    if synth.teacher_context == "document":
+        text = lm.tokenizer.decode(doc["token_ids"])
+        whole = document_contexts([{"doc_id": 0, "name": doc["name"], "tokens": len(doc["token_ids"]),
+                                    "text": text}], synth, lm.context_length)
+        answers = [whole[0]] * len(rows)
+    convs = synthesize_group(lm, rows, contexts, synth, answer_contexts=answers) if rows else []
     table = pa.Table.from_pylist(convs, schema=TABLES["conversations"])
     ctx.write_shard(0, validate_table("conversations", table), table="conversations")
     fault_point("fleet.data.conversations")  # conversations written, targets not yet
@@ -57,7 +63,7 @@ def round_data(store: Store, lm: LoadedModel, plan: RoundPlan, doc: dict, config
     `doc`: name, sha256 and token_ids of the target document.
     """
     def work(ctx: StageContext) -> None:
-        _conversations(ctx, lm, chunk_rows(list(plan.chunks), doc["token_ids"], "train"), config.synth,
+        _conversations(ctx, lm, chunk_rows(list(plan.chunks), doc["token_ids"], "train"), doc, config.synth,
                        config.teacher)
         fault_point(f"fleet.round_data.{plan.round}")
 
@@ -72,7 +78,7 @@ def heldout_data(store: Store, lm: LoadedModel, doc: dict, config: FleetConfig, 
     chunks = heldout_chunks(doc["doc_id"], len(doc["token_ids"]), config, salt=doc["sha256"])
 
     def work(ctx: StageContext) -> None:
-        _conversations(ctx, lm, chunk_rows(chunks, doc["token_ids"], "heldout"), config.synth, config.teacher)
+        _conversations(ctx, lm, chunk_rows(chunks, doc["token_ids"], "heldout"), doc, config.synth, config.teacher)
 
     cfg = {"document": doc["name"], "sha256": doc["sha256"], "chunks": _spec(chunks),
            "synth": config.synth.to_dict(), "teacher": config.teacher.to_dict(), "model": model_id}

@@ -1,4 +1,5 @@
-"""Self-study synthesis: bot A asks about a chunk, bot B answers with the chunk in context.
+"""Self-study synthesis: bot A asks about a chunk, bot B answers with the chunk in context
+(or, with `synth.teacher_context = "document"`, with the chunk's whole document).
 
 Both bots are the frozen model. Bot A (temperature, chunk inline, seed-specific
 instruction and assistant prefix) writes one message; degenerate messages are scored
@@ -22,6 +23,7 @@ import pyarrow as pa
 
 from cartridges.batch import Stream
 from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
+from cartridges.errors import CartridgeError
 from cartridges.facts import focus_sentence
 from cartridges.generate import LOOP_SPAN, generate, loop_start
 from cartridges.models import LoadedModel
@@ -57,9 +59,23 @@ def question_stop_ids(tokenizer) -> tuple[int, ...]:
 def chunk_context(chunk: dict, doc_names: dict[int, str], multi: bool, tokenizer) -> str:
     """The chunk as both bots see it; multi-document corpora name the document."""
     text = tokenizer.decode(chunk["token_ids"])
-    if multi:
-        return f"Document: {doc_names[chunk['doc_id']]}\n\n{text}"
-    return text
+    return named(text, doc_names[chunk["doc_id"]]) if multi else text
+
+
+def named(text: str, name: str) -> str:
+    return f"Document: {name}\n\n{text}"
+
+
+def document_contexts(docs: list[dict], config: SynthConfig, limit: int) -> dict[int, str]:
+    """Each document as bot B sees it under teacher_context "document"; one that leaves no room
+    in the model's context (`limit` tokens) for a conversation is an error naming it."""
+    room = config.max_q + config.max_a + 128  # the chat template's turns around them
+    too_long = [f"{d['name']} ({d['tokens']} tokens)" for d in docs if d["tokens"] + room > limit]
+    if too_long:
+        raise CartridgeError(
+            f"synth.teacher_context=document: {', '.join(too_long)} leave no room in the model's {limit}-token "
+            f"context for a conversation ({room} tokens); use teacher_context=chunk")
+    return {d["doc_id"]: named(d["text"], d["name"]) if len(docs) > 1 else d["text"] for d in docs}
 
 
 def focus_of(chunk: dict, config: SynthConfig, tokenizer) -> str | None:
@@ -71,9 +87,11 @@ def focus_of(chunk: dict, config: SynthConfig, tokenizer) -> str | None:
 
 def synthesize_group(
     lm: LoadedModel, chunks: list[dict], contexts: list[str], config: SynthConfig,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None, answer_contexts: list[str] | None = None,
 ) -> list[dict]:
-    """One group of conversations (rows of the `conversations` table), in chunk order."""
+    """One group of conversations (rows of the `conversations` table), in chunk order. Bot A sees
+    `contexts`; bot B and so the teacher see `answer_contexts` (default: the same)."""
+    answer_contexts = contexts if answer_contexts is None else answer_contexts
     tok = lm.tokenizer
     eot = tuple(end_of_turn_ids(tok))
     a_streams = []
@@ -88,7 +106,7 @@ def synthesize_group(
     fault_point("synthesize.questions")  # questions generated, answers not yet
 
     rows, b_streams, b_index = [], [], []
-    for i, (chunk, ctx, gen) in enumerate(zip(chunks, contexts, a_out, strict=True)):
+    for i, (chunk, ctx, gen) in enumerate(zip(chunks, answer_contexts, a_out, strict=True)):
         raw = tok.decode([t for t in gen.tokens if t not in eot], skip_special_tokens=True)
         question = clean_question(raw, chunk["seed_type"], config.stop_at_question)
         ok, reason = score_message(question, SEEDS[chunk["seed_type"]].instruction)
@@ -102,7 +120,7 @@ def synthesize_group(
     b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
 
     for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
-        row, ctx = rows[i], contexts[i]
+        row, ctx = rows[i], answer_contexts[i]
         answer_tokens, topk = list(gen.tokens), list(gen.topk)
         cut = loop_start(answer_tokens, LOOP_SPAN)
         if cut is not None:  # keep the answer up to its loop; the repeats teach nothing but looping
@@ -147,7 +165,8 @@ def synth_shard(job: dict) -> int:
     from storage.shards import write_shard
 
     lm = worker_model(job["model"])
-    rows = synthesize_group(lm, job["chunks"], job["contexts"], SynthConfig.from_dict(job["config"]))
+    rows = synthesize_group(lm, job["chunks"], job["contexts"], SynthConfig.from_dict(job["config"]),
+                            answer_contexts=job["answer_contexts"])
     table = validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"]))
     write_shard(job["dir"], job["shard"], table)
     fault_point(f"synthesize.shard.{job['shard']}")
@@ -164,6 +183,7 @@ def run(
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
         names = {d["doc_id"]: d["name"] for d in docs}
+        whole = document_contexts(docs, config, lm.context_length) if config.teacher_context == "document" else None
         plan = ctx.read(chunks).to_pylist()
         done = ctx.done_shards()
         size = config.gen_batch
@@ -173,11 +193,13 @@ def run(
                 continue
             group = plan[start : start + size]
             contexts = [chunk_context(c, names, len(docs) > 1, lm.tokenizer) for c in group]
+            answer_contexts = None if whole is None else [whole[c["doc_id"]] for c in group]
             if fanout is not None:
                 jobs.append({"model": fanout.model, "config": config.to_dict(), "chunks": group,
-                             "contexts": contexts, "dir": str(ctx.dir), "shard": shard})
+                             "contexts": contexts, "answer_contexts": answer_contexts, "dir": str(ctx.dir),
+                             "shard": shard})
                 continue
-            rows = synthesize_group(lm, group, contexts, config, progress)
+            rows = synthesize_group(lm, group, contexts, config, progress, answer_contexts)
             ctx.write_shard(shard, validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"])))
             fault_point(f"synthesize.shard.{shard}")
         if jobs:

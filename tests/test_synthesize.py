@@ -93,3 +93,103 @@ def test_focus_gives_a_spans_conversations_consecutive_sentences_of_their_chunk(
     first = whole.index(quoted[0])
     assert quoted == [whole[(first + i) % len(whole)] for i in range(4)]
     assert not any(FOCUS_LEAD in p for p in prompts(SynthConfig(focus=False)))
+
+
+def test_a_document_teacher_answers_with_the_whole_document_and_bot_a_still_sees_the_chunk(monkeypatch):
+    """teacher_context "document": bot B's prompt, and so the teacher sequence, holds the chunk's whole
+    document; the kept targets are the model's distributions behind a real prefill of it."""
+    import torch
+
+    from cartridges.chat import system_ids
+    from schemas import SynthConfig
+    from stages import synthesize
+
+    lm = tiny_llama(torch.float64)
+    tok = lm.tokenizer
+    chunk_text = "Gamma rays are short."
+    document = "Alpha rays are slow. Beta rays are fast. " + chunk_text + " Delta is a river mouth."
+    ids = tok(chunk_text, add_special_tokens=False)["input_ids"]
+    chunks = [{"chunk_id": i, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
+               "split": "train", "rng_seed": i, "tokens": len(ids)} for i in range(2)]
+    a_prompts: list[str] = []
+    real_generate = synthesize.generate
+
+    def spy(model, streams, batch_size, progress=None, share_min=0):
+        if not a_prompts:
+            a_prompts.extend(tok.decode(s.prompt) for s in streams)
+        return real_generate(model, streams, batch_size=batch_size, progress=progress, share_min=share_min)
+
+    monkeypatch.setattr(synthesize, "generate", spy)
+    config = SynthConfig(max_q=6, max_a=5, filter=False, focus=False, teacher_context="document")
+    rows = synthesize.synthesize_group(lm, chunks, [chunk_text] * 2, config, answer_contexts=[document] * 2)
+    assert all(chunk_text in p and "Alpha rays" not in p for p in a_prompts)
+    for row in rows:
+        head = system_ids(tok, document)
+        assert row["teacher_ids"] == head + row["student_ids"] and "Alpha rays" not in tok.decode(row["student_ids"])
+        start = row["answer_start"]
+        assert row["answer_topk_ids"]  # bot B answered: its targets are checked below
+        with torch.no_grad():
+            logits = lm.model(torch.tensor([row["teacher_ids"]])).logits[0].double()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for j, (top_ids, top_lps) in enumerate(zip(row["answer_topk_ids"], row["answer_topk_logprobs"], strict=True)):
+            want = logprobs[start + j - 1, top_ids]
+            assert torch.allclose(torch.tensor(top_lps, dtype=torch.float64), want, atol=1e-6)
+
+
+def test_a_document_too_long_for_the_models_context_is_refused_by_name():
+    import pytest
+
+    from cartridges.errors import CartridgeError
+    from schemas import ConfigError, SynthConfig
+    from stages.synthesize import document_contexts
+
+    docs = [{"doc_id": 0, "name": "short.md", "tokens": 100, "text": "Short."},
+            {"doc_id": 1, "name": "long.md", "tokens": 4000, "text": "Long."}]
+    config = SynthConfig(teacher_context="document")
+    with pytest.raises(CartridgeError, match=r"long\.md \(4000 tokens\)"):
+        document_contexts(docs, config, limit=4096)
+    assert document_contexts(docs, config, limit=8192) == {0: "Document: short.md\n\nShort.",
+                                                           1: "Document: long.md\n\nLong."}
+    with pytest.raises(ConfigError, match="teacher_context"):
+        SynthConfig(teacher_context="corpus")
+
+
+def test_the_cli_sets_the_teacher_context_and_refuses_other_values(capsys):
+    import pytest
+
+    from cli.main import build_parser, pipeline_config
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--corpus", "x.md", "--teacher-context", "document"])
+    assert pipeline_config(args).synth.teacher_context == "document"
+    assert pipeline_config(parser.parse_args(["train", "--corpus", "x.md"])).synth.teacher_context == "chunk"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--corpus", "x.md", "--teacher-context", "corpus"])
+    assert "invalid choice: 'corpus'" in capsys.readouterr().err
+
+
+def test_fleet_self_study_gives_bot_b_the_target_document_under_a_document_teacher(monkeypatch):
+    from schemas import SynthConfig, TeacherConfig
+    from stages import fleet_data
+
+    lm = tiny_llama()
+    tok = lm.tokenizer
+    text = "Alpha rays are slow. Beta rays are fast."
+    doc = {"name": "rays.md", "sha256": "x", "token_ids": tok(text, add_special_tokens=False)["input_ids"]}
+    rows = [{"chunk_id": 0, "doc_id": 0, "start": 0, "end": 5, "tokens": 5, "seed_type": "question",
+             "split": "train", "rng_seed": 1, "token_ids": doc["token_ids"][:5]}]
+    seen = {}
+
+    def fake_group(lm, chunks, contexts, config, progress=None, answer_contexts=None):
+        seen.update(contexts=contexts, answers=answer_contexts)
+        return []
+
+    class Ctx:
+        def write_shard(self, *args, **kwargs):
+            pass
+
+    monkeypatch.setattr(fleet_data, "synthesize_group", fake_group)
+    fleet_data._conversations(Ctx(), lm, rows, doc, SynthConfig(teacher_context="document"), TeacherConfig())
+    assert seen["answers"] == [text] and seen["contexts"] == [tok.decode(doc["token_ids"][:5])]
+    fleet_data._conversations(Ctx(), lm, rows, doc, SynthConfig(), TeacherConfig())
+    assert seen["answers"] is None
