@@ -36,19 +36,31 @@ def _plain(fn: Callable, *args, **kwargs):
 
 
 class _LogBar:
-    """Progress for logs (not a terminal): one line at most every `every` seconds."""
+    """Progress for logs (not a terminal): one line at most every `every` seconds, with the
+    share done and an ETA when the total is known. The rate counts from the first update, so
+    work a resumed run finds done (reported in one burst at the start) does not inflate it."""
 
-    def __init__(self, desc: str, unit: str, every: float = 15.0) -> None:
-        self.desc, self.unit, self.every = desc, unit, every
-        self.n, self.start, self.last = 0, time.perf_counter(), time.perf_counter()
+    def __init__(self, total: int | None, desc: str, unit: str, every: float = 15.0) -> None:
+        self.total, self.desc, self.unit, self.every = total, desc, unit, every
+        self.n, self.last = 0, time.perf_counter()
+        self.first: tuple[float, int] | None = None
 
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.perf_counter()
+        if self.first is None:
+            self.first = (now, self.n)
         if now - self.last >= self.every:
             self.last = now
-            rate = self.n / max(now - self.start, 1e-9)
-            print(f"{self.desc}: {self.n} {self.unit} ({rate:.1f} {self.unit}/s)", file=sys.stderr, flush=True)
+            print(f"{self.desc}: {self.line(now)}", file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        t0, n0 = self.first or (now, self.n)
+        rate = (self.n - n0) / (now - t0) if now > t0 else 0.0
+        if self.total is None:
+            return f"{self.n} {self.unit} ({rate:.2f} {self.unit}/s)"
+        eta = f", about {(self.total - self.n) / rate / 60:.0f} min left" if rate > 0 else ""
+        return f"{self.n}/{self.total} {self.unit} ({self.n / max(self.total, 1):.0%}; {rate:.2f} {self.unit}/s{eta})"
 
     def set_postfix(self, **kwargs) -> None:
         pass
@@ -64,7 +76,7 @@ def _bar(total: int | None, desc: str, unit: str):
     """A progress bar in a terminal, periodic log lines otherwise."""
     if sys.stderr.isatty():
         return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
-    return _LogBar(desc, unit)
+    return _LogBar(total, desc, unit)
 
 
 def run_pipeline(
@@ -85,7 +97,7 @@ def run_pipeline(
         plan = call(chunks.run, store, docs, lm.tokenizer, config.chunks, force="chunks" in force, run_id=run_id,
                     tokenizer_id=model_id)
         planned = plan.rows
-        with _bar(None, "self-study", "tok") as bar:
+        with _bar(planned, "self-study", "conv") as bar:
             convs = call(synthesize.run, store, lm, docs, plan, config.synth, model_id=model_id,
                          force="synthesize" in force, run_id=run_id, progress=bar.update, fanout=fanout)
         grounding = call(facts.run, store, docs, convs, force="facts" in force, run_id=run_id)

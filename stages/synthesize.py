@@ -87,7 +87,7 @@ def focus_of(chunk: dict, config: SynthConfig, tokenizer) -> str | None:
 
 def synthesize_group(
     lm: LoadedModel, chunks: list[dict], contexts: list[str], config: SynthConfig,
-    progress: Callable[[int], None] | None = None, answer_contexts: list[str] | None = None,
+    answer_contexts: list[str] | None = None,
 ) -> list[dict]:
     """One group of conversations (rows of the `conversations` table), in chunk order. Bot A sees
     `contexts`; bot B and so the teacher see `answer_contexts` (default: the same)."""
@@ -102,7 +102,7 @@ def synthesize_group(
             prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus), max_new=config.max_q,
             temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
         ))
-    a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
+    a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, share_min=SHARE_MIN)
     fault_point("synthesize.questions")  # questions generated, answers not yet
 
     rows, b_streams, b_index = [], [], []
@@ -117,7 +117,7 @@ def synthesize_group(
                                     max_new=config.max_a, stop_ids=eot, loop_span=LOOP_SPAN,
                                     keep_topk=config.keep_topk, draft=config.spec_b))
             b_index.append(i)
-    b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, progress=progress, share_min=SHARE_MIN)
+    b_out = generate(lm.model, b_streams, batch_size=config.gen_batch, share_min=SHARE_MIN)
 
     for i, stream, gen in zip(b_index, b_streams, b_out, strict=True):
         row, ctx = rows[i], answer_contexts[i]
@@ -178,7 +178,10 @@ def run(
     model_id: str = "", force: bool = False, run_id: str | None = None,
     progress: Callable[[int], None] | None = None, fanout: Fanout | None = None,
 ):
-    """Conversations for every planned chunk, sharded by `gen_batch`; `fanout` sends shards to workers."""
+    """Conversations for every planned chunk, sharded by `gen_batch`; `fanout` sends shards to workers.
+
+    `progress` is told each in-process shard's conversations, finished ones (from an earlier
+    run) included, so a bar over the planned count ends full on a resumed run too."""
 
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
@@ -189,9 +192,11 @@ def run(
         size = config.gen_batch
         jobs = []
         for shard, start in enumerate(range(0, len(plan), size)):
-            if shard in done:
-                continue
             group = plan[start : start + size]
+            if shard in done:
+                if progress and fanout is None:
+                    progress(len(group))
+                continue
             contexts = [chunk_context(c, names, len(docs) > 1, lm.tokenizer) for c in group]
             answer_contexts = None if whole is None else [whole[c["doc_id"]] for c in group]
             if fanout is not None:
@@ -199,9 +204,11 @@ def run(
                              "contexts": contexts, "answer_contexts": answer_contexts, "dir": str(ctx.dir),
                              "shard": shard})
                 continue
-            rows = synthesize_group(lm, group, contexts, config, progress, answer_contexts)
+            rows = synthesize_group(lm, group, contexts, config, answer_contexts)
             ctx.write_shard(shard, validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"])))
             fault_point(f"synthesize.shard.{shard}")
+            if progress:
+                progress(len(group))
         if jobs:
             fanout.map(synth_shard, jobs)
 

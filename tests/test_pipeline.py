@@ -8,6 +8,7 @@ import pytest
 
 from cartridges.chat import end_of_turn_ids
 from schemas.presets import preset
+from stages import pipeline
 from stages.pipeline import run_pipeline
 from storage import Store, query
 from storage.faults import InjectedFault
@@ -110,10 +111,29 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     failed = [a for a in store.catalog.artifacts("synthesize")]
     assert [a.status for a in failed] == ["failed"]
     monkeypatch.delenv("CARTRIDGES_FAULT")
+    bars = {}
+
+    def recording_bar(total, desc, unit):
+        bars[desc] = bar = pipeline._LogBar(total, desc, unit, every=float("inf"))
+        return bar
+
+    monkeypatch.setattr(pipeline, "_bar", recording_bar)
     run_pipeline(store, lm, [corpus], smoke())
     convs = store.table(store.latest("synthesize")).column("conv_id").to_pylist()
     plan = store.table(store.latest("chunks")).column("chunk_id").to_pylist()
     assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
+    # the resumed run's bar counts the shard found done as well as the ones it ran
+    assert (bars["self-study"].n, bars["self-study"].total) == (10, 10)
+
+
+def test_log_bar_shows_share_done_and_a_rate_that_ignores_resumed_work(monkeypatch):
+    times = [0.0, 0.0, 10.0]  # made, first update, second update
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: times.pop(0) if len(times) > 1 else times[0])
+    bar = pipeline._LogBar(100, "self-study", "conv", every=float("inf"))
+    bar.update(40)  # shards an earlier run finished, reported at once
+    bar.update(10)  # ten conversations in ten seconds
+    assert bar.line(10.0) == "50/100 conv (50%; 1.00 conv/s, about 1 min left)"
+    assert pipeline._LogBar(None, "teacher", "conv").line(0.0) == "0 conv (0.00 conv/s)"
 
 
 @pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}])

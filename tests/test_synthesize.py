@@ -180,7 +180,7 @@ def test_fleet_self_study_gives_bot_b_the_target_document_under_a_document_teach
              "split": "train", "rng_seed": 1, "token_ids": doc["token_ids"][:5]}]
     seen = {}
 
-    def fake_group(lm, chunks, contexts, config, progress=None, answer_contexts=None):
+    def fake_group(lm, chunks, contexts, config, answer_contexts=None):
         seen.update(contexts=contexts, answers=answer_contexts)
         return []
 
