@@ -57,10 +57,13 @@ class _LogBar:
     def line(self, now: float) -> str:
         t0, n0 = self.first or (now, self.n)
         rate = (self.n - n0) / (now - t0) if now > t0 else 0.0
+        speed = f"{rate:.2f} {self.unit}/s" if rate > 0 else ""  # none until a second update
         if self.total is None:
-            return f"{self.n} {self.unit} ({rate:.2f} {self.unit}/s)"
-        eta = f", about {(self.total - self.n) / rate / 60:.0f} min left" if rate > 0 else ""
-        return f"{self.n}/{self.total} {self.unit} ({self.n / max(self.total, 1):.0%}; {rate:.2f} {self.unit}/s{eta})"
+            return f"{self.n} {self.unit}" + (f" ({speed})" if speed else "")
+        share = f"{self.n / max(self.total, 1):.0%}"
+        if speed:
+            share += f"; {speed}, about {(self.total - self.n) / rate / 60:.0f} min left"
+        return f"{self.n}/{self.total} {self.unit} ({share})"
 
     def set_postfix(self, **kwargs) -> None:
         pass

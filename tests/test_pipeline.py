@@ -133,7 +133,10 @@ def test_log_bar_shows_share_done_and_a_rate_that_ignores_resumed_work(monkeypat
     bar.update(40)  # shards an earlier run finished, reported at once
     bar.update(10)  # ten conversations in ten seconds
     assert bar.line(10.0) == "50/100 conv (50%; 1.00 conv/s, about 1 min left)"
-    assert pipeline._LogBar(None, "teacher", "conv").line(0.0) == "0 conv (0.00 conv/s)"
+    assert pipeline._LogBar(None, "train", "step").line(0.0) == "0 step"
+    first = pipeline._LogBar(100, "self-study", "conv")
+    first.update(64)
+    assert first.line(10.0) == "64/100 conv (64%)"  # one update: no rate to give yet
 
 
 @pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}])
