@@ -13,7 +13,8 @@ order of increasing conversations, so the cheap end of the curve lands first.
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"] [--json]
     python -m bench.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
-    python -m bench.curve compare --doc raft --seed 7 --conversations 250 [--base ""] --other "--lr 2e-2" [--json]
+    python -m bench.curve compare --doc raft --seed 7 --conversations 250 [--base ""] --other "--lr 2e-2"
+        [--other-conversations 125] [--json]
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -410,19 +411,22 @@ def paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], sampl
     return out
 
 
-def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str]) -> dict:
-    """`other` against `base` at one (doc, seed, conversations) point of the results files."""
+def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str],
+            other_n: int | None = None) -> dict:
+    """`other` against `base` for one (doc, seed) in the results files, both at `n` conversations or
+    `other` at `other_n` (a comparison at equal compute of configurations that differ in cost)."""
+    other_n = n if other_n is None else other_n
     found, records = {}, read_all(outs)
-    for name, args in (("base", base), ("other", other)):
+    for name, args, budget in (("base", base, n), ("other", other, other_n)):
         match = [r for r in select(records, args)
-                 if r["doc"] == doc and int(r["seed"]) == seed and int(r["conversations_planned"]) == n]
+                 if r["doc"] == doc and int(r["seed"]) == seed and int(r["conversations_planned"]) == budget]
         if not match:
-            raise SystemExit(f"curve: no point {doc} seed {seed} n {n} with train args {shlex.join(args)!r} in "
+            raise SystemExit(f"curve: no point {doc} seed {seed} n {budget} with train args {shlex.join(args)!r} in "
                              + ", ".join(map(str, outs)))
         found[name] = match[-1]
     answers = {k: eval_answers(r, Path(r["store"]).parent / "eval-store") for k, r in found.items()}
-    return {"doc": doc, "seed": seed, "conversations": n, "base": list(base), "other": list(other),
-            **paired(answers["base"], answers["other"])}
+    return {"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
+            "other": list(other), **paired(answers["base"], answers["other"])}
 
 
 # ---- output
@@ -587,14 +591,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, required=True)
     p.add_argument("--base", default="", help="the base point's extra train arguments ('' for the defaults)")
     p.add_argument("--other", required=True, help="the other point's extra train arguments")
+    p.add_argument("--other-conversations", type=int, default=None,
+                   help="the other point's conversations (default: --conversations)")
     p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "compare":
         c = compare([Path(o) for o in args.out], args.doc, args.seed, args.conversations, shlex.split(args.base),
-                    shlex.split(args.other))
+                    shlex.split(args.other), args.other_conversations)
         closure = (f" = closure {c['closure_change']:+.3f} ({c['closure_change_ci'][0]:+.3f} to "
                    f"{c['closure_change_ci'][1]:+.3f})" if "closure_change" in c else "")
-        print(f"{args.doc} seed {args.seed} n {args.conversations}: {args.other!r} against {args.base!r}: gold NLL "
+        budgets = (f"n {c['conversations']}" if c["other_conversations"] == c["conversations"]
+                   else f"n {c['other_conversations']} against n {c['conversations']}")
+        print(f"{args.doc} seed {args.seed} {budgets}: {args.other!r} against {args.base!r}: gold NLL "
               f"{c['gold_nll_change']:+.3f} ({c['gold_nll_change_ci'][0]:+.3f} to {c['gold_nll_change_ci'][1]:+.3f})"
               f"{closure}; lower on {c['better']} of {c['questions']} questions, higher on {c['worse']}")
         if args.json:

@@ -239,6 +239,17 @@ def test_compare_pairs_two_points_question_by_question(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["gold_nll_change"] == pytest.approx(-0.25)
     with pytest.raises(SystemExit, match="no point raft seed 7 n 500"):
         curve.compare([out], "raft", 7, 500, [], ["--focus"])
+    # at equal compute a costlier configuration runs fewer conversations: pair across budgets
+    cheap = {**records[1], "conversations_planned": 125, "cartridge": "/c2.safetensors"}
+    _fake_eval(store, "e2", cheap["cartridge"], {"bare": bare, "icl": icl, "cartridge": base_cart})
+    curve.append_record(out, cheap)
+    c = curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], other_n=125)
+    assert (c["conversations"], c["other_conversations"], c["gold_nll_change"]) == (250, 125, 0.0)
+    assert curve.main(["compare", "--out", str(out), "--doc", "raft", "--seed", "7", "--conversations", "250",
+                       "--base", "--lr 2e-3", "--other=--focus", "--other-conversations", "125"]) == 0
+    assert "n 125 against n 250" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no point raft seed 7 n 500"):
+        curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], other_n=500)
 
 
 def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
