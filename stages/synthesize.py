@@ -180,8 +180,8 @@ def run(
 ):
     """Conversations for every planned chunk, sharded by `gen_batch`; `fanout` sends shards to workers.
 
-    `progress` is told each in-process shard's conversations, finished ones (from an earlier
-    run) included, so a bar over the planned count ends full on a resumed run too."""
+    `progress` is told the conversations of each in-process shard, and first those of the shards an
+    earlier run finished, so a bar over the planned count ends full on a resumed run too."""
 
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
@@ -191,12 +191,13 @@ def run(
         done = ctx.done_shards()
         size = config.gen_batch
         jobs = []
+        resumed = sum(len(plan[shard * size : (shard + 1) * size]) for shard in done)
+        if progress and fanout is None and resumed:
+            progress(resumed)  # in one call, so that a rate counted from it leaves it out
         for shard, start in enumerate(range(0, len(plan), size)):
-            group = plan[start : start + size]
             if shard in done:
-                if progress and fanout is None:
-                    progress(len(group))
                 continue
+            group = plan[start : start + size]
             contexts = [chunk_context(c, names, len(docs) > 1, lm.tokenizer) for c in group]
             answer_contexts = None if whole is None else [whole[c["doc_id"]] for c in group]
             if fanout is not None:

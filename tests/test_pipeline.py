@@ -111,10 +111,12 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     failed = [a for a in store.catalog.artifacts("synthesize")]
     assert [a.status for a in failed] == ["failed"]
     monkeypatch.delenv("CARTRIDGES_FAULT")
-    bars = {}
+    bars, updates = {}, {}
 
     def recording_bar(total, desc, unit):
         bars[desc] = bar = pipeline._LogBar(total, desc, unit, every=float("inf"))
+        calls = updates[desc] = []
+        bar.update = lambda n=1, inner=bar.update: (calls.append(n), inner(n))
         return bar
 
     monkeypatch.setattr(pipeline, "_bar", recording_bar)
@@ -122,8 +124,9 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     convs = store.table(store.latest("synthesize")).column("conv_id").to_pylist()
     plan = store.table(store.latest("chunks")).column("chunk_id").to_pylist()
     assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
-    # the resumed run's bar counts the shard found done as well as the ones it ran
+    # the resumed run's bar counts the shards found done (two of three, in one update) and the rest
     assert (bars["self-study"].n, bars["self-study"].total) == (10, 10)
+    assert updates["self-study"] == [8, 2]
 
 
 def test_log_bar_shows_share_done_and_a_rate_that_ignores_resumed_work(monkeypatch):
