@@ -106,6 +106,9 @@ def run(
         done = ctx.done_shards()
         jobs = []
         vocab = _vocab(lm)
+        resumed = sum(len(convs[shard * SHARD : (shard + 1) * SHARD]) for shard in done)
+        if progress and fanout is None and resumed:
+            progress(resumed)  # in one call, as synthesis does, so that a rate counted from it leaves it out
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
             needs_forward = not all(kept(c, config.top_k, vocab) for c in group)
@@ -118,7 +121,7 @@ def run(
                 rows = target_rows(lm, group, config)
                 ctx.write_shard(shard, validate_table("targets", pa.Table.from_pylist(rows, schema=TABLES["targets"])))
                 fault_point(f"teacher.shard.{shard}")
-            if progress and fanout is None:
+            if progress and fanout is None and shard not in done:
                 progress(len(group))
         if jobs:
             fanout.map(teacher_shard, jobs)

@@ -111,6 +111,18 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     failed = [a for a in store.catalog.artifacts("synthesize")]
     assert [a.status for a in failed] == ["failed"]
     monkeypatch.delenv("CARTRIDGES_FAULT")
+    bars, updates = _record_bars(monkeypatch)
+    run_pipeline(store, lm, [corpus], smoke())
+    convs = store.table(store.latest("synthesize")).column("conv_id").to_pylist()
+    plan = store.table(store.latest("chunks")).column("chunk_id").to_pylist()
+    assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
+    # the resumed run's bar counts the shards found done (two of three, in one update) and the rest
+    assert (bars["self-study"].n, bars["self-study"].total) == (10, 10)
+    assert updates["self-study"] == [8, 2]
+
+
+def _record_bars(monkeypatch) -> tuple[dict, dict]:
+    """The pipeline's log bars by name, and the sizes of the updates each was given."""
     bars, updates = {}, {}
 
     def recording_bar(total, desc, unit):
@@ -120,13 +132,23 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
         return bar
 
     monkeypatch.setattr(pipeline, "_bar", recording_bar)
+    return bars, updates
+
+
+def test_resumed_teacher_reports_its_finished_shards_in_one_update(tmp_path, corpus, monkeypatch):
+    from stages import teacher
+
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    monkeypatch.setattr(teacher, "SHARD", 2)
+    monkeypatch.setenv("CARTRIDGES_FAULT", "teacher.shard.1:raise")
+    with pytest.raises(InjectedFault):
+        run_pipeline(store, lm, [corpus], smoke())
+    monkeypatch.delenv("CARTRIDGES_FAULT")
+    _, updates = _record_bars(monkeypatch)
     run_pipeline(store, lm, [corpus], smoke())
-    convs = store.table(store.latest("synthesize")).column("conv_id").to_pylist()
-    plan = store.table(store.latest("chunks")).column("chunk_id").to_pylist()
-    assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
-    # the resumed run's bar counts the shards found done (two of three, in one update) and the rest
-    assert (bars["self-study"].n, bars["self-study"].total) == (10, 10)
-    assert updates["self-study"] == [8, 2]
+    targets = set(store.table(store.latest("teacher")).column("conv_id").to_pylist())
+    assert len(targets) == sum(updates["teacher"]) == 10  # training and held-out conversations
+    assert updates["teacher"] == [4, 2, 2, 2]  # shards 0 and 1 found done, then 2, 3 and 4
 
 
 def test_log_bar_shows_share_done_and_a_rate_that_ignores_resumed_work(monkeypatch):
