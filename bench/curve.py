@@ -10,7 +10,8 @@ order of increasing conversations, so the cheap end of the curve lands first.
 
     python -m bench.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
         [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
-        [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"] [--json]
+        [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"]
+        [--reuse-default-store] [--json]
     python -m bench.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
     python -m bench.curve compare --doc raft --seed 7 --conversations 250 [--base ""] --other "--lr 2e-2"
@@ -30,6 +31,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,6 +172,17 @@ def point_dir(store: Path, doc: str, seed: int, n: int, dtype: str, extra: Seque
     return store / name
 
 
+def seed_from_default(directory: Path, default: Path) -> bool:
+    """Start a lever's point from a copy of the default point's store, so the stages its extra
+    arguments leave unchanged (ingest through synthesis and the teacher) are reused: a training
+    lever then costs training only. Stages are keyed by their config, so one the arguments do
+    change runs again. The default's cartridge is left behind; a store already there is kept."""
+    if directory.exists() or not (default / "catalog.duckdb").is_file():
+        return False
+    shutil.copytree(default, directory, ignore=shutil.ignore_patterns("cartridge.safetensors"))
+    return True
+
+
 def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "cli.main", "train", "--corpus", str(doc_path(doc)), "--conversations", str(n),
             "--seed", str(seed), "--dtype", dtype, "--store", str(directory),
@@ -215,8 +228,10 @@ def plan(docs: Iterable[str], seeds: Iterable[int], conversations: Iterable[int]
 
 def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence[int], dtype: str, out: Path,
               store: Path, extra: Sequence[str] = (), eval_dtype: str = "float32", qa: Path = EVAL_DIR / "questions.jsonl",
-              peers: bool = False, extra_eval: Sequence[str] = (), runner: Runner = run_command) -> dict:
-    """Run every point not yet in `out`; returns what ran, what was skipped and what failed."""
+              peers: bool = False, extra_eval: Sequence[str] = (), runner: Runner = run_command,
+              reuse_default: bool = False) -> dict:
+    """Run every point not yet in `out`; returns what ran, what was skipped and what failed.
+    `reuse_default`: a point with extra train arguments starts from the default point's store."""
     done = {point_key(r) for r in read_records(out)}
     ran, skipped, failed = [], [], []
     points = plan(docs, seeds, conversations)
@@ -229,6 +244,9 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             skipped.append(label)
             continue
         directory = point_dir(store, name, seed, n, dtype, extra)
+        default = point_dir(store, name, seed, n, dtype, ())
+        if reuse_default and extra and seed_from_default(directory, default):
+            log(f"curve: {label}: store copied from {default}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
         start = time.perf_counter()
         code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra))
@@ -575,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=DEFAULT_STORE)
     p.add_argument("--extra-train-args", default="", help="further `cartridges train` options, one string")
     p.add_argument("--extra-eval-args", default="", help="further `cartridges eval` options, one string")
+    p.add_argument("--reuse-default-store", action="store_true",
+                   help="start each point with extra train args from a copy of the default point's store "
+                        "(its synthesis and teacher are reused where the arguments leave them unchanged)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="the curve as a PNG, a Markdown table and a log-linear fit")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to look in")
@@ -612,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         summary = run_curve(args.docs, args.seeds, args.conversations, args.dtype, Path(args.out).resolve(),
                             Path(args.store).resolve(), shlex.split(args.extra_train_args), args.eval_dtype,
-                            Path(args.qa).resolve(), args.peers, shlex.split(args.extra_eval_args))
+                            Path(args.qa).resolve(), args.peers, shlex.split(args.extra_eval_args),
+                            reuse_default=args.reuse_default_store)
         log(f"curve: {len(summary['ran'])} ran, {len(summary['skipped'])} skipped, {len(summary['failed'])} failed "
             f"of {summary['points']} points; results in {summary['out']}")
         if args.json:

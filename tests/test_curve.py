@@ -96,6 +96,32 @@ def test_run_skips_finished_points_and_runs_the_rest_in_order_of_n(tmp_path):
     assert "--max-new" not in other.calls[0] and other.calls[1][-3:] == ["--max-new", "8", "--json"]
 
 
+def test_a_lever_point_can_start_from_a_copy_of_the_default_points_store(tmp_path):
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    default = store / "raft-s7-n8"
+    (default / "synthesize").mkdir(parents=True)
+    (default / "catalog.duckdb").write_bytes(b"catalog")
+    (default / "synthesize" / "part-00000.parquet").write_bytes(b"shard")
+    (default / "cartridge.safetensors").write_bytes(b"default cartridge")
+    runner = FakeRunner()
+    curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra=["--schedule", "cosine"], runner=runner,
+                    reuse_default=True)
+    lever = Path(runner.calls[0][runner.calls[0].index("--store") + 1])
+    assert lever != default and lever.parent == store
+    assert (lever / "synthesize" / "part-00000.parquet").read_bytes() == b"shard"
+    assert (lever / "catalog.duckdb").read_bytes() == b"catalog"
+    assert not (lever / "cartridge.safetensors").exists()  # the lever trains its own
+    # a store the lever already has (a resumed lever) is kept as it is
+    (lever / "catalog.duckdb").write_bytes(b"lever's own")
+    assert not curve.seed_from_default(lever, default)
+    assert (lever / "catalog.duckdb").read_bytes() == b"lever's own"
+    # without the flag, or without a default store, a lever starts empty
+    other = FakeRunner()
+    curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra=["--lr", "1e-2"], runner=other)
+    assert not Path(other.calls[0][other.calls[0].index("--store") + 1]).exists()
+    assert not curve.seed_from_default(tmp_path / "new", tmp_path / "missing")
+
+
 def test_a_failed_train_is_not_recorded_and_a_cut_line_is_survived(tmp_path):
     out = tmp_path / "curve.jsonl"
     out.write_text('{"status": "done", "doc": "raf')  # a write cut by a kill
