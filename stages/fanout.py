@@ -13,7 +13,7 @@ the artifact once every shard is written. Nothing here knows about Prefect or Da
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,16 @@ class WorkerModel:
 class Fanout:
     map: Map
     model: WorkerModel
+
+
+def report_resumed_shards(
+    progress: Callable[[int], None] | None, fanout: Fanout | None, items: Sequence, size: int, done: Iterable[int],
+) -> None:
+    """Tell an in-process progress bar the `items` (in shards of `size`) that an earlier run finished,
+    in one update, so that a rate counted from it leaves them out."""
+    resumed = sum(len(items[shard * size : (shard + 1) * size]) for shard in done)
+    if progress and fanout is None and resumed:
+        progress(resumed)
 
 
 _MODELS: dict[tuple, LoadedModel] = {}

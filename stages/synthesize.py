@@ -38,7 +38,7 @@ from cartridges.seeds import (
 from cartridges.sharing import SHARE_MIN
 from cartridges.spans import keyed_seed
 from schemas import TABLES, SynthConfig, validate_table
-from stages.fanout import Fanout
+from stages.fanout import Fanout, report_resumed_shards
 from storage import StageContext, Store
 from storage.faults import fault_point
 
@@ -191,9 +191,7 @@ def run(
         done = ctx.done_shards()
         size = config.gen_batch
         jobs = []
-        resumed = sum(len(plan[shard * size : (shard + 1) * size]) for shard in done)
-        if progress and fanout is None and resumed:
-            progress(resumed)  # in one call, so that a rate counted from it leaves it out
+        report_resumed_shards(progress, fanout, plan, size, done)
         for shard, start in enumerate(range(0, len(plan), size)):
             if shard in done:
                 continue

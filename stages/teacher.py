@@ -21,7 +21,7 @@ from cartridges.models import LoadedModel
 from cartridges.sharing import SHARE_MIN
 from cartridges.targets import cut_at_mass, teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
-from stages.fanout import Fanout
+from stages.fanout import Fanout, report_resumed_shards
 from storage import StageContext, Store
 from storage.faults import fault_point
 
@@ -106,9 +106,7 @@ def run(
         done = ctx.done_shards()
         jobs = []
         vocab = _vocab(lm)
-        resumed = sum(len(convs[shard * SHARD : (shard + 1) * SHARD]) for shard in done)
-        if progress and fanout is None and resumed:
-            progress(resumed)  # in one call, as synthesis does, so that a rate counted from it leaves it out
+        report_resumed_shards(progress, fanout, convs, SHARD, done)
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
             needs_forward = not all(kept(c, config.top_k, vocab) for c in group)
