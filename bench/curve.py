@@ -14,8 +14,8 @@ order of increasing conversations, so the cheap end of the curve lands first.
         [--reuse-default-store] [--json]
     python -m bench.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
-    python -m bench.curve compare --doc raft --seed 7 --conversations 250 [--base ""] --other "--lr 2e-2"
-        [--other-conversations 125] [--json]
+    python -m bench.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
+        --other "--lr 2e-2" [--other-conversations 125] [--json]
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -404,6 +404,40 @@ def per_question(record: dict, eval_store: Path) -> dict[str, dict[str, float]] 
     return {str(line): arms for line, arms in sorted(answers.items())}
 
 
+def _changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]):
+    """The questions both points scored, the cartridge's gold-NLL change on each from a to b, and
+    a's mean bare-to-ICL gap over them."""
+    import numpy as np
+
+    lines = sorted(k for k in a.keys() & b.keys() if {"cartridge", "bare", "icl"} <= a[k].keys()
+                   and "cartridge" in b[k])
+    if len(lines) < 2:
+        raise SystemExit("curve: fewer than two questions scored by both points")
+    diff = np.array([b[k]["cartridge"] - a[k]["cartridge"] for k in lines])
+    return lines, diff, float(np.mean([a[k]["bare"] - a[k]["icl"] for k in lines]))
+
+
+def pooled(pairs: Sequence[tuple[dict, dict]], samples: int = 2000, seed: int = 0) -> dict:
+    """Closure change over several documents: each document's mean change in its own closure units
+    (its own bare-to-ICL gap), averaged with equal weight. The 95% interval resamples questions
+    within each document, so a document with more questions does not outweigh the others. None
+    where a document's gap is not positive (it has no closure units)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    means, total = np.zeros(samples), 0.0
+    for a, b in pairs:
+        _, diff, gap = _changes(a, b)
+        if gap <= 0:
+            return {"documents": len(pairs), "closure_change": None, "closure_change_ci": None}
+        change = -diff / gap
+        total += float(change.mean())
+        means += change[rng.integers(0, change.size, size=(samples, change.size))].mean(axis=1)
+    n = len(pairs)
+    return {"documents": n, "closure_change": total / n,
+            "closure_change_ci": [float(np.percentile(means / n, 2.5)), float(np.percentile(means / n, 97.5))]}
+
+
 def paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], samples: int = 2000,
            seed: int = 0) -> dict:
     """Mean change of the cartridge's gold NLL from a to b over the questions both scored, with a
@@ -412,12 +446,7 @@ def paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], sampl
     less noisy than two closures with their own intervals."""
     import numpy as np
 
-    lines = sorted(k for k in a.keys() & b.keys() if {"cartridge", "bare", "icl"} <= a[k].keys()
-                   and "cartridge" in b[k])
-    if len(lines) < 2:
-        raise SystemExit("curve: fewer than two questions scored by both points")
-    diff = np.array([b[k]["cartridge"] - a[k]["cartridge"] for k in lines])
-    gap = float(np.mean([a[k]["bare"] - a[k]["icl"] for k in lines]))
+    lines, diff, gap = _changes(a, b)
     rng = np.random.default_rng(seed)
     means = diff[rng.integers(0, diff.size, size=(samples, diff.size))].mean(axis=1)
     lo, hi = float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
@@ -433,7 +462,21 @@ def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[st
             other_n: int | None = None) -> dict:
     """`other` against `base` for one (doc, seed) in the results files, both at `n` conversations or
     `other` at `other_n` (a comparison at equal compute of configurations that differ in cost)."""
+    return compare_docs(outs, [doc], seed, n, base, other, other_n)["per_doc"][0]
+
+
+def compare_docs(outs: Sequence[Path], docs: Sequence[str], seed: int, n: int, base: Sequence[str],
+                 other: Sequence[str], other_n: int | None = None) -> dict:
+    """`compare` on each document, and the closure change over all of them (`pooled`)."""
     other_n = n if other_n is None else other_n
+    answers = [_answers(outs, doc, seed, n, base, other, other_n) for doc in docs]
+    per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
+                "other": list(other), **paired(a["base"], a["other"])} for doc, a in zip(docs, answers, strict=True)]
+    return {"per_doc": per_doc, **pooled([(a["base"], a["other"]) for a in answers])}
+
+
+def _answers(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str],
+             other_n: int) -> dict[str, dict[int, dict[str, float]]]:
     found, records = {}, read_all(outs)
     for name, args, budget in (("base", base, n), ("other", other, other_n)):
         match = [r for r in select(records, args)
@@ -442,9 +485,7 @@ def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[st
             raise SystemExit(f"curve: no point {doc} seed {seed} n {budget} with train args {shlex.join(args)!r} in "
                              + ", ".join(map(str, outs)))
         found[name] = match[-1]
-    answers = {k: eval_answers(r, Path(r["store"]).parent / "eval-store") for k, r in found.items()}
-    return {"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
-            "other": list(other), **paired(answers["base"], answers["other"])}
+    return {k: eval_answers(r, Path(r["store"]).parent / "eval-store") for k, r in found.items()}
 
 
 # ---- output
@@ -607,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("compare", help="two configurations' cartridges on the same questions (paired)")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to look in")
-    p.add_argument("--doc", required=True)
+    p.add_argument("--doc", nargs="+", required=True,
+                   help="one document, or several: each compared, then the closure change over all of them")
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--conversations", type=int, required=True)
     p.add_argument("--base", default="", help="the base point's extra train arguments ('' for the defaults)")
@@ -617,17 +659,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "compare":
-        c = compare([Path(o) for o in args.out], args.doc, args.seed, args.conversations, shlex.split(args.base),
-                    shlex.split(args.other), args.other_conversations)
-        closure = (f" = closure {c['closure_change']:+.3f} ({c['closure_change_ci'][0]:+.3f} to "
-                   f"{c['closure_change_ci'][1]:+.3f})" if "closure_change" in c else "")
-        budgets = (f"n {c['conversations']}" if c["other_conversations"] == c["conversations"]
-                   else f"n {c['other_conversations']} against n {c['conversations']}")
-        print(f"{args.doc} seed {args.seed} {budgets}: {args.other!r} against {args.base!r}: gold NLL "
-              f"{c['gold_nll_change']:+.3f} ({c['gold_nll_change_ci'][0]:+.3f} to {c['gold_nll_change_ci'][1]:+.3f})"
-              f"{closure}; lower on {c['better']} of {c['questions']} questions, higher on {c['worse']}")
+        c = compare_docs([Path(o) for o in args.out], args.doc, args.seed, args.conversations,
+                         shlex.split(args.base), shlex.split(args.other), args.other_conversations)
+        for d in c["per_doc"]:
+            closure = (f" = closure {d['closure_change']:+.3f} ({d['closure_change_ci'][0]:+.3f} to "
+                       f"{d['closure_change_ci'][1]:+.3f})" if "closure_change" in d else "")
+            budgets = (f"n {d['conversations']}" if d["other_conversations"] == d["conversations"]
+                       else f"n {d['other_conversations']} against n {d['conversations']}")
+            print(f"{d['doc']} seed {args.seed} {budgets}: {args.other!r} against {args.base!r}: gold NLL "
+                  f"{d['gold_nll_change']:+.3f} ({d['gold_nll_change_ci'][0]:+.3f} to "
+                  f"{d['gold_nll_change_ci'][1]:+.3f}){closure}; lower on {d['better']} of {d['questions']} "
+                  f"questions, higher on {d['worse']}")
+        if len(args.doc) > 1 and c["closure_change"] is not None:
+            lo, hi = c["closure_change_ci"]
+            print(f"{c['documents']} documents: closure {c['closure_change']:+.3f} ({lo:+.3f} to {hi:+.3f}), "
+                  "each document's mean change averaged, questions resampled within their document")
         if args.json:
-            print(json.dumps(c), flush=True)
+            print(json.dumps(c if len(args.doc) > 1 else c["per_doc"][0]), flush=True)
         return 0
     if args.command == "run":
         signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -314,3 +314,31 @@ def test_a_record_without_an_eval_in_the_store_keeps_no_per_question_nlls(tmp_pa
     out, store = tmp_path / "curve.jsonl", tmp_path / "store"
     curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, runner=FakeRunner())
     assert curve.read_records(out)[0]["gold_nll_by_line"] is None
+
+
+def test_compare_over_documents_averages_each_documents_closure_change(tmp_path, capsys):
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    # raft: gap 2, every question 0.5 nats lower (closure +0.25); panama: gap 1, every question
+    # 0.1 nats higher (closure -0.1) on three times the questions
+    docs = {"raft": ([6.0, 5.0], [4.0, 3.0], [5.0, 4.0], [4.5, 3.5]),
+            "panama": ([3.0] * 6, [2.0] * 6, [2.5] * 6, [2.6] * 6)}
+    for doc, (bare, icl, base_cart, other_cart) in docs.items():
+        for args, cart in (([], base_cart), (["--p", "512"], other_cart)):
+            rec = _synthetic(doc, 8, 2000, 0.1, 0.1)
+            name = f"{doc}{len(args)}"
+            rec.update(extra_train_args=args, cartridge=f"/{name}.safetensors", store=str(store / name))
+            _fake_eval(store, name, rec["cartridge"], {"bare": bare, "icl": icl, "cartridge": cart})
+            curve.append_record(out, rec)
+    c = curve.compare_docs([out], ["raft", "panama"], 8, 2000, [], ["--p", "512"])
+    assert [d["closure_change"] for d in c["per_doc"]] == pytest.approx([0.25, -0.1])
+    # each document weighs the same whatever its number of questions; pooling the questions
+    # would give (2 * 0.25 + 6 * -0.1) / 8 instead
+    assert c["documents"] == 2 and c["closure_change"] == pytest.approx(0.075)
+    # resampled within each document, where every question changed alike, the interval is the point
+    assert c["closure_change_ci"] == pytest.approx([0.075, 0.075])
+    assert curve.main(["compare", "--out", str(out), "--doc", "raft", "panama", "--seed", "8",
+                       "--conversations", "2000", "--base=", "--other=--p 512", "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[2].startswith("2 documents: closure +0.075 (+0.075 to +0.075)")
+    assert [d["doc"] for d in json.loads(lines[-1])["per_doc"]] == ["raft", "panama"]
+    assert curve.compare([out], "raft", 8, 2000, [], ["--p", "512"]) == c["per_doc"][0]
