@@ -467,17 +467,20 @@ def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[st
 
 def compare_docs(outs: Sequence[Path], docs: Sequence[str], seed: int, n: int, base: Sequence[str],
                  other: Sequence[str], other_n: int | None = None) -> dict:
-    """`compare` on each document, and the closure change over all of them (`pooled`)."""
+    """`compare` on each document, and, given several, the closure change over all of them (`pooled`)."""
     other_n = n if other_n is None else other_n
-    answers = [_answers(outs, doc, seed, n, base, other, other_n) for doc in docs]
+    records = read_all(outs)
+    answers = [_answers(records, outs, doc, seed, n, base, other, other_n) for doc in docs]
     per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
                 "other": list(other), **paired(a["base"], a["other"])} for doc, a in zip(docs, answers, strict=True)]
+    if len(docs) < 2:
+        return {"per_doc": per_doc}
     return {"per_doc": per_doc, **pooled([(a["base"], a["other"]) for a in answers])}
 
 
-def _answers(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str],
-             other_n: int) -> dict[str, dict[int, dict[str, float]]]:
-    found, records = {}, read_all(outs)
+def _answers(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str],
+             other: Sequence[str], other_n: int) -> dict[str, dict[int, dict[str, float]]]:
+    found = {}
     for name, args, budget in (("base", base, n), ("other", other, other_n)):
         match = [r for r in select(records, args)
                  if r["doc"] == doc and int(r["seed"]) == seed and int(r["conversations_planned"]) == budget]
