@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CORPUS ?= docs/corpus/deflate.md
-P ?= 256
+P ?=
 
 CONVERSATIONS ?=
 # Self-study (train, fleet, retrain, bench-pipeline) runs in bfloat16: on this CPU it is 1.6-1.9x
@@ -47,7 +47,7 @@ demo: setup
 		--question "What does the teacher stage keep for each answer token?" --max-new 64
 
 cartridge: setup
-	$(BIN)/cartridges train --dtype $(DTYPE) --corpus $(CORPUS) --p $(P) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
+	$(BIN)/cartridges train --dtype $(DTYPE) --corpus $(CORPUS) $(if $(P),--p $(P)) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
 		--save artifacts/$(notdir $(basename $(CORPUS))).safetensors
 
 # One cartridge per document plus a retrieval index; a rerun updates the same fleet
@@ -97,7 +97,7 @@ bench-synth: setup
 	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 160 --json
 
 equiv: setup
-	$(BIN)/cartridges equiv --corpus $(CORPUS) --p $(P) --suffix-max 128
+	$(BIN)/cartridges equiv --corpus $(CORPUS) $(if $(P),--p $(P)) --suffix-max 128
 
 # The layer contract (pyproject's [tool.importlinter]) first: an upward import or a cycle fails fast.
 test: setup

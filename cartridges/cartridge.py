@@ -136,7 +136,10 @@ def corpus_prefix_ids(lm: LoadedModel, text: str, p: int) -> list[int]:
     """The first p tokens of the corpus wrapped as a system message (template tokens count)."""
     ids = system_ids(lm.tokenizer, text)
     if len(ids) < p:
-        raise CorpusError(f"corpus too short for p={p}: the system-wrapped corpus has {len(ids)} tokens, needs {p}")
+        raise CorpusError(
+            f"corpus too short for p={p}: the system-wrapped corpus has {len(ids)} tokens, needs {p}; "
+            f"train a smaller cartridge (p at most {len(ids)})"
+        )
     return ids[:p]
 
 

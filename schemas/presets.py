@@ -12,9 +12,9 @@ PRESETS: dict[str, dict] = {
         "synth": {"max_q": 48, "max_a": 128},
         "train": {"p": 128, "lr": 5e-3, "epochs": 2},
     },
-    # About 1.5-2 hours for a 2,500-token document on a 2-core CPU, near the budget where the
-    # curve's fit reaches 0.5 gold-NLL closure (docs/QUALITY.md).
-    "large": {"chunks": {"conversations": 5000, "heldout": 32}},
+    # About 2 hours for a 2,500-token document on a 2-core CPU with the default 1,024 rows,
+    # past the budget where the 256-row curve's fit reaches 0.5 gold-NLL closure (docs/QUALITY.md).
+    "large": {"chunks": {"conversations": 4000, "heldout": 32}},
     # Seconds, for tests on tiny models.
     "smoke": {
         "chunks": {"conversations": 8, "heldout": 2, "chunk_min": 32, "chunk_max": 64},

@@ -8,6 +8,7 @@ import torch
 from cartridges.cartridge import Cartridge, compose_rows, init_from_corpus
 from cartridges.chat import system_ids
 from cartridges.equiv import cut
+from cartridges.errors import CorpusError
 from cartridges.loss import Targets, sparse_distill, student_loss
 from cartridges.prefix import capture_rows, forward_behind
 from tests.tiny import TINY, VOCAB, WINDOW, tiny_llama
@@ -49,6 +50,15 @@ def test_corpus_init_is_the_system_wrapped_corpus_prefill(family):
         behind = forward_behind(lm.model, cart.rows(), wrapped[P:].view(1, -1), logits=True)[0]
     real = real_logits(lm, wrapped)[P:]
     assert (behind - real).abs().max().item() <= 1e-4
+
+
+def test_corpus_shorter_than_the_cartridge_is_refused_with_the_largest_p_that_fits():
+    lm = TINY["llama"]()
+    text = "A short note."
+    n = len(system_ids(lm.tokenizer, text))
+    with pytest.raises(CorpusError, match=rf"too short for p={n + 1}: .* {n} tokens.*p at most {n}\)"):
+        init_from_corpus(lm, text, p=n + 1)
+    assert init_from_corpus(lm, text, p=n).p == n
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
