@@ -135,5 +135,6 @@ CURVE_ARGS ?=
 curve: setup
 	$(BIN)/python -m bench.curve run --dtype $(DTYPE) $(CURVE_ARGS) --json
 
+# Today's defaults' curve, from the curve's points and the lever points run at today's defaults.
 curve-plot: setup
-	$(BIN)/python -m bench.curve plot --markdown
+	$(BIN)/python -m bench.curve plot --out docs/quality/curve.jsonl docs/quality/levers.jsonl --train-args "" --markdown
