@@ -47,7 +47,7 @@ def test_defaults_are_exact() -> None:
     ("cls", "field", "value"),
     [
         (TrainConfig, "p", 0),
-        (TrainConfig, "frozen", 256),
+        (TrainConfig, "frozen", TrainConfig().p),  # frozen must stay below p
         (TrainConfig, "frozen", -1),
         (TrainConfig, "lr", 0.0),
         (TrainConfig, "accum", 0),
