@@ -39,6 +39,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_DIR = REPO / "docs" / "eval"
@@ -404,7 +408,10 @@ def per_question(record: dict, eval_store: Path) -> dict[str, dict[str, float]] 
     return {str(line): arms for line, arms in sorted(answers.items())}
 
 
-def _changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]):
+Changes = tuple[list[int], "np.ndarray", float]
+
+
+def _changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> Changes:
     """The questions both points scored, the cartridge's gold-NLL change on each from a to b, and
     a's mean bare-to-ICL gap over them."""
     import numpy as np
@@ -417,7 +424,7 @@ def _changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]):
     return lines, diff, float(np.mean([a[k]["bare"] - a[k]["icl"] for k in lines]))
 
 
-def pooled(pairs: Sequence[tuple[dict, dict]], samples: int = 2000, seed: int = 0) -> dict:
+def pooled(changes: Sequence[Changes], samples: int = 2000, seed: int = 0) -> dict:
     """Closure change over several documents: each document's mean change in its own closure units
     (its own bare-to-ICL gap), averaged with equal weight. The 95% interval resamples questions
     within each document, so a document with more questions does not outweigh the others. None
@@ -426,27 +433,25 @@ def pooled(pairs: Sequence[tuple[dict, dict]], samples: int = 2000, seed: int = 
 
     rng = np.random.default_rng(seed)
     means, total = np.zeros(samples), 0.0
-    for a, b in pairs:
-        _, diff, gap = _changes(a, b)
+    for _, diff, gap in changes:
         if gap <= 0:
-            return {"documents": len(pairs), "closure_change": None, "closure_change_ci": None}
+            return {"documents": len(changes), "closure_change": None, "closure_change_ci": None}
         change = -diff / gap
         total += float(change.mean())
         means += change[rng.integers(0, change.size, size=(samples, change.size))].mean(axis=1)
-    n = len(pairs)
+    n = len(changes)
     return {"documents": n, "closure_change": total / n,
             "closure_change_ci": [float(np.percentile(means / n, 2.5)), float(np.percentile(means / n, 97.5))]}
 
 
-def paired(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]], samples: int = 2000,
-           seed: int = 0) -> dict:
-    """Mean change of the cartridge's gold NLL from a to b over the questions both scored, with a
+def paired(changes: Changes, samples: int = 2000, seed: int = 0) -> dict:
+    """Mean change of the cartridge's gold NLL from base to other over the questions both scored, with a
     95% bootstrap interval over questions, and the same in closure units (per unit of the mean
     bare-to-ICL gap): the two cartridges answer the same questions, so their difference is far
     less noisy than two closures with their own intervals."""
     import numpy as np
 
-    lines, diff, gap = _changes(a, b)
+    lines, diff, gap = changes
     rng = np.random.default_rng(seed)
     means = diff[rng.integers(0, diff.size, size=(samples, diff.size))].mean(axis=1)
     lo, hi = float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
@@ -471,11 +476,12 @@ def compare_docs(outs: Sequence[Path], docs: Sequence[str], seed: int, n: int, b
     other_n = n if other_n is None else other_n
     records = read_all(outs)
     answers = [_answers(records, outs, doc, seed, n, base, other, other_n) for doc in docs]
+    changes = [_changes(a["base"], a["other"]) for a in answers]
     per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
-                "other": list(other), **paired(a["base"], a["other"])} for doc, a in zip(docs, answers, strict=True)]
+                "other": list(other), **paired(c)} for doc, c in zip(docs, changes, strict=True)]
     if len(docs) < 2:
         return {"per_doc": per_doc}
-    return {"per_doc": per_doc, **pooled([(a["base"], a["other"]) for a in answers])}
+    return {"per_doc": per_doc, **pooled(changes)}
 
 
 def _answers(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str],
