@@ -2,10 +2,8 @@
 
 - teacher: supervised tokens/s of the batched, supervised-rows-only teacher pass
   against a per-conversation pass that builds full `[seq, vocab]` logits.
-- train: supervised tokens/s of the packed group forward/backward (each conversation
-  attending to the cartridge and its own tokens) against the flat per-conversation path
-  and against the packed row under one dense mask (`transformers` SDPA, which scores
-  every pair of conversations and masks them), same groups, same cartridge.
+- train: supervised tokens/s of the packed group forward/backward against the flat
+  per-conversation path, same groups, same cartridge.
 
 Sequences are random tokens of realistic shape (teacher: chunk + question + answer;
 student: question + answer); throughput does not depend on the token values.
@@ -79,20 +77,15 @@ def bench_train(lm, n: int, accum: int, p: int) -> dict:
         examples.append(Example(c, ids, positions, topk, lps))
     base = Cartridge.from_rows(capture_rows(lm.model, torch.randint(0, 40000, (p,), generator=gen)))
     supervised = sum(ex.n for ex in examples)
-    arms = ("packed", "flat", "dense")
-    carts = {name: Cartridge.from_rows(base.detached_rows()) for name in arms}
-    seconds = dict.fromkeys(arms, 0.0)
-    ours = lm.model.config._attn_implementation
+    carts = {name: Cartridge.from_rows(base.detached_rows()) for name in ("packed", "flat")}
+    seconds = {"packed": 0.0, "flat": 0.0}
     for i in range(0, n, accum):  # alternate the arms group by group
-        for name in arms:
-            lm.model.set_attn_implementation("sdpa" if name == "dense" else ours)
+        for name in ("packed", "flat"):
             t0 = time.perf_counter()
-            group_backward(lm.model, [carts[name]], examples[i : i + accum], packed=name != "flat")
+            group_backward(lm.model, [carts[name]], examples[i : i + accum], packed=name == "packed")
             seconds[name] += time.perf_counter() - t0
-    lm.model.set_attn_implementation(ours)
     result = {f"train_{name}_tokens_per_s": supervised / seconds[name] for name in seconds}
     result["train_packed_over_flat"] = result["train_packed_tokens_per_s"] / result["train_flat_tokens_per_s"]
-    result["train_packed_over_dense"] = result["train_packed_tokens_per_s"] / result["train_dense_tokens_per_s"]
     return result
 
 
@@ -101,7 +94,7 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
-    parser.add_argument("--p", type=int, default=1024, help="cartridge rows (the pipeline's default)")
+    parser.add_argument("--p", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
                         help="weights and activations (the pipeline's default is bfloat16)")
@@ -116,8 +109,7 @@ def main() -> None:
           f"({result['teacher_s_per_conversation']:.2f} s/conversation) vs full logits "
           f"{result['teacher_full_logits_tokens_per_s']:.0f} tok/s: {result['teacher_speedup']:.2f}x")
     print(f"training: packed {result['train_packed_tokens_per_s']:.0f} vs flat "
-          f"{result['train_flat_tokens_per_s']:.0f} supervised tok/s ({result['train_packed_over_flat']:.2f}x), "
-          f"vs one dense mask {result['train_dense_tokens_per_s']:.0f} ({result['train_packed_over_dense']:.2f}x)")
+          f"{result['train_flat_tokens_per_s']:.0f} supervised tok/s ({result['train_packed_over_flat']:.2f}x)")
     if args.json:
         print(json.dumps(result))
 

@@ -3,9 +3,8 @@
 A group of conversations (the accumulation group) makes one optimizer step; its loss
 is the mean over all of the group's supervised positions. Packed: the group's
 student sequences run as one row with per-segment positions and a block mask, one
-backward; each segment's attention reads only the cartridge and its own columns
-(`cartridges.attention`). Flat: one forward/backward per conversation, each scaled by
-the group's position count. Both give the same gradients (pinned by a test).
+backward. Flat: one forward/backward per conversation, each scaled by the group's
+position count. Both give the same gradients (pinned by a test).
 """
 
 from __future__ import annotations
