@@ -19,8 +19,6 @@ import torch
 import torch.utils.checkpoint
 from transformers import DynamicCache
 
-from cartridges.attention import NAME as GROUPED_SDPA
-from cartridges.attention import segment_bounds
 from cartridges.models import backbone, cache_keyword, own_cache
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer ([H, p, d] keys, values)
@@ -170,10 +168,6 @@ def forward_behind(
         "input_ids": input_ids, "attention_mask": attention_masks(target, allowed, dtype), "position_ids": positions,
         "use_cache": True, cache_keyword(target): cache,
     }
-    if segment_ids is not None and batch == 1 and getattr(target.config, "_attn_implementation", None) == GROUPED_SDPA:
-        bounds = segment_bounds(segment_ids[0])  # packed conversations attend only to their own tokens
-        if bounds is not None and len(bounds) > 1:
-            kwargs["segments"] = bounds
     if checkpoint and torch.is_grad_enabled():
         with recompute_layers(model):
             out = target(**kwargs)
