@@ -444,7 +444,10 @@ def _top2(logits: torch.Tensor) -> tuple[list, list]:
 
 
 def _sample(row: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    work = row.to(torch.promote_types(row.dtype, torch.float32)) / temperature
+    work = row.to(torch.promote_types(row.dtype, torch.float32))
+    # Shifted to a maximum of 0 and kept off a zero divisor: a temperature so small that the
+    # logits overflow (or that rounds to 0 in float32) still gives a distribution, not NaNs.
+    work = (work - work.max()) / max(temperature, torch.finfo(work.dtype).tiny)
     probs = torch.softmax(work, dim=-1)
     if top_p >= 1.0:
         return int(torch.multinomial(probs, 1, generator=gen).item())

@@ -113,6 +113,16 @@ def test_seed_controls_samples_and_tiny_top_p_is_greedy():
     assert nucleus.tokens == generate(lm.model, [Stream(ids, 16)])[0].tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_vanishing_temperature_samples_the_greedy_tokens(dtype):
+    """1e-228 rounds to 0 in float32 and overflows any logit divided by it: still no NaNs."""
+    lm = tiny_llama(dtype)
+    ids = prompt(6, seed=5)
+    greedy = generate(lm.model, [Stream(ids, 12)])[0].tokens
+    for temperature in (1.7e-228, 1e-40, 1e-12):
+        assert generate(lm.model, [Stream(ids, 12, temperature=temperature, seed=3)])[0].tokens == greedy
+
+
 def test_stop_ids_end_a_stream_and_are_included():
     lm = tiny_llama(torch.float64)
     free = greedy_streams()
