@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import torch
 
 from cartridges.chat import system_ids
-from cartridges.errors import CorpusError, GeometryError
+from cartridges.compress import keep_rows, rotary_of, snapkv_keep
+from cartridges.errors import CorpusError, GeometryError, ModelError
 from cartridges.models import LoadedModel
 from cartridges.prefix import capture_rows
 
@@ -147,6 +148,21 @@ def init_from_corpus(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Car
     """The paper's winning init: the model's own K/V for the corpus's first p tokens."""
     ids = torch.tensor(corpus_prefix_ids(lm, text, p), device=lm.device)
     return Cartridge.from_rows(_float32(capture_rows(lm.model, ids)), frozen, {"init": "corpus"})
+
+
+def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Cartridge:
+    """Rows drawn from the whole corpus: SnapKV's choice over its full KV, keys re-rotated to 0..p-1.
+
+    The first-p init holds the opening of a document exactly and nothing of the rest; training
+    then trades the one for the other. These rows start with some of every part instead."""
+    rotary = rotary_of(lm.model)
+    if rotary is None:
+        raise ModelError("init 'snapkv' needs a model with one plain rotary embedding; use init 'corpus'")
+    corpus_prefix_ids(lm, text, p)  # the same length check as the corpus init
+    ids = torch.tensor(system_ids(lm.tokenizer, text)[: lm.context_length], device=lm.device)
+    rows = capture_rows(lm.model, ids)
+    keep = snapkv_keep(lm.model, ids, rows[0][0].shape[0], p, first=frozen)
+    return Cartridge.from_rows(_float32(keep_rows(rows, keep, rotary)), frozen, {"init": "snapkv"})
 
 
 def init_random(lm: LoadedModel, text: str, p: int, frozen: int = 1, seed: int = 0) -> Cartridge:

@@ -61,14 +61,15 @@ def knorm_keep(rows: Rows, budget: int) -> list[torch.Tensor]:
 
 
 def snapkv_keep(model: torch.nn.Module, input_ids: torch.Tensor, kv_heads: int, budget: int,
-                window: int = 32, kernel: int = 5) -> list[torch.Tensor]:
+                window: int = 32, kernel: int = 5, first: int = 0) -> list[torch.Tensor]:
     """SnapKV's choice, question-agnostic: per layer and KV head, the last `window` positions
     plus the `budget - window` earlier ones that those positions attend to most (attention
-    averaged over the window and the head's query group, then pooled over neighbours)."""
+    averaged over the window and the head's query group, then pooled over neighbours).
+    The first `first` positions are kept whatever their score (a cartridge's frozen sink rows)."""
     n = input_ids.numel()
     if n <= budget:
         return [torch.arange(n, device=input_ids.device).expand(kv_heads, -1)] * len(backbone(model).layers)
-    window = min(window, budget)
+    window = min(window, budget - first)
     scores: list[torch.Tensor] = []
 
     def hook(_module, _args, out) -> None:
@@ -91,6 +92,7 @@ def snapkv_keep(model: torch.nn.Module, input_ids: torch.Tensor, kv_heads: int, 
     for s in scores:
         s = s.view(kv_heads, -1, s.shape[-1]).mean(dim=1)
         s = F.avg_pool1d(s[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=False)[:, 0]
+        s[:, :first] = float("inf")
         top = s.topk(budget - window, dim=-1).indices
         keep.append(torch.cat([top, tail], dim=-1).sort(dim=-1).values)
     return keep

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Self
 SEED_TYPES: tuple[str, ...] = (
     "structuring", "summarization", "question", "use_case", "creative", "mechanism", "verbatim",
 )
-INITS: tuple[str, ...] = ("corpus", "random")
+INITS: tuple[str, ...] = ("corpus", "snapkv", "random")
 HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 TEACHER_CONTEXTS: tuple[str, ...] = ("chunk", "document")

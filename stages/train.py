@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from cartridges.cartridge import init_from_corpus, init_random
+from cartridges.cartridge import init_from_corpus, init_from_snapkv, init_random
 from cartridges.corpus import document_text
 from cartridges.errors import CartridgeError
 from cartridges.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
@@ -84,6 +84,8 @@ def train_cartridge(
     else:
         if config.init == "corpus":
             cart = init_from_corpus(lm, text, config.p, config.frozen)
+        elif config.init == "snapkv":
+            cart = init_from_snapkv(lm, text, config.p, config.frozen)
         else:
             cart = init_random(lm, text, config.p, config.frozen, config.seed)
         opt = make_optimizer(cart, config.lr)

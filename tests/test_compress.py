@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from cartridges.cartridge import init_from_corpus, init_from_snapkv
+from cartridges.chat import system_ids
 from cartridges.compress import (
     first_rows,
     knorm_keep,
@@ -12,6 +15,7 @@ from cartridges.compress import (
     rotary_of,
     snapkv_keep,
 )
+from cartridges.errors import CorpusError
 from cartridges.prefix import capture_rows
 from tests.tiny import tiny_llama
 
@@ -64,3 +68,62 @@ def test_snapkv_keeps_the_window_and_the_positions_it_attends_to_most():
             want = set(score[h].topk(budget - window).indices.tolist()) | set(range(50 - window, 50))
             assert keep[layer][h].tolist() == sorted(want)
     assert [k.shape for k in snapkv_keep(lm.model, ids[:10], kv_heads, budget)] == [(2, 10)] * 2
+
+
+def test_snapkv_keeps_the_first_positions_asked_for_even_when_they_score_lowest():
+    lm = tiny_llama(dtype=torch.float64)
+    ids = torch.randint(0, 250, (50,))
+    plain = snapkv_keep(lm.model, ids, 2, 12, window=4, kernel=1)
+    pinned = snapkv_keep(lm.model, ids, 2, 12, window=4, kernel=1, first=3)
+    for free, keep in zip(plain, pinned, strict=True):
+        for h in range(2):
+            assert keep[h][:3].tolist() == [0, 1, 2]
+            # what the pins displace are the lowest-scored of the unpinned choice; the rest stay
+            assert set(keep[h].tolist()) - {0, 1, 2} <= set(free[h].tolist())
+            assert len(set(keep[h].tolist())) == 12
+
+
+def test_snapkv_init_spans_the_corpus_keeps_the_sink_and_preserves_relative_positions():
+    # References: the corpus init's own sink row, and the full prefill's rows at the kept positions,
+    # which must attend the same to any query placed at the same distance.
+    lm = tiny_llama(dtype=torch.float64)
+    text = "Cartridges replace a long document in context. Self-study asks about every fact. " * 3
+    p = 48  # past the 32-position window, so scored rows are kept too
+    ids = torch.tensor(system_ids(lm.tokenizer, text))
+    assert ids.numel() > 3 * p
+    cart = init_from_snapkv(lm, text, p)
+    corpus = init_from_corpus(lm, text, p)
+    full = capture_rows(lm.model, ids)
+    keep = snapkv_keep(lm.model, ids, full[0][0].shape[0], p, first=1)
+    rotary = rotary_of(lm.model)
+    assert cart.p == p and cart.frozen == 1
+    for (k, v), (k0, v0), (fk, fv), idx in zip(cart.rows(), corpus.rows(), full, keep, strict=True):
+        torch.testing.assert_close(k[:, 0], k0[:, 0].to(k.dtype))  # the sink, exactly
+        torch.testing.assert_close(v[:, 0], v0[:, 0].to(v.dtype))
+        assert idx.max() >= p  # rows from past the first p tokens
+        torch.testing.assert_close(v, fv.gather(1, idx[..., None].expand(-1, -1, fv.shape[-1])).to(v.dtype))
+        # q at position m against the original key at j scores as q at (m - j + rank) against the kept row
+        q = torch.randn(k.shape[0], 1, k.shape[-1], dtype=torch.float64)
+        m = ids.numel() + 5
+        for h in range(k.shape[0]):
+            for rank, j in enumerate(idx[h].tolist()):
+                qa = _rotated(rotary, q[h], m)
+                qb = _rotated(rotary, q[h], m - j + rank)
+                ref = (qa * fk[h, j].double()).sum()
+                got = (qb * k[h, rank].double()).sum()
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def _rotated(rotary, q: torch.Tensor, position: int) -> torch.Tensor:
+    cos, sin = rotary(q[None], torch.tensor([[position]]))
+    half = q.shape[-1] // 2
+    turned = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+    return (q * cos[0].double() + turned * sin[0].double())[0]
+
+
+def test_snapkv_init_refuses_a_corpus_shorter_than_the_cartridge():
+    lm = tiny_llama()
+    text = "A short note."
+    n = len(system_ids(lm.tokenizer, text))
+    with pytest.raises(CorpusError, match=rf"too short for p={n + 1}"):
+        init_from_snapkv(lm, text, n + 1)
