@@ -16,6 +16,7 @@ order of increasing conversations, so the cheap end of the curve lands first.
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
     python -m bench.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
+    python -m bench.curve regions [--out ...] [--train-args ""] [--docs raft] [--json]
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -497,6 +498,55 @@ def _answers(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: 
     return {k: eval_answers(r, Path(r["store"]).parent / "eval-store") for k, r in found.items()}
 
 
+# ---- where in the document the closure is
+
+
+def opening_regions(text: str, tokenizer, p: int) -> set[str]:
+    """Headings of the sections that begin inside a document's first `p` context tokens: what a
+    first-p (corpus) init holds exactly before any training."""
+    from cartridges.chat import system_ids
+
+    opening = tokenizer.decode(system_ids(tokenizer, text)[:p])
+    return {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#") and line in opening}
+
+
+def closure_by_region(record: dict, opening: set[str], qa: Path) -> dict[str, dict]:
+    """A point's gold-NLL closure on the questions about the opening (the first p tokens) and on the
+    rest, each as the mean NLL drop over the mean bare-to-ICL gap of its questions."""
+    questions = qa.read_text().splitlines()
+    answers = eval_answers(record, Path(record["store"]).parent / "eval-store")
+    groups: dict[str, list[dict[str, float]]] = {"opening": [], "rest": []}
+    for line, arms in answers.items():
+        region = json.loads(questions[line - 1]).get("region")
+        if {"bare", "icl", "cartridge"} <= arms.keys():
+            groups["opening" if region in opening else "rest"].append(arms)
+    out = {}
+    for name, rows in groups.items():
+        gap = sum(a["bare"] - a["icl"] for a in rows)
+        out[name] = {"questions": len(rows),
+                     "closure": sum(a["bare"] - a["cartridge"] for a in rows) / gap if rows and gap > 0 else None}
+    return out
+
+
+def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None, qa: Path) -> list[dict]:
+    """`closure_by_region` for every selected point."""
+    from cartridges.models import load_model
+
+    tokenizer = load_model("smollm2").tokenizer
+    cache: dict[tuple[str, int], set[str]] = {}
+    rows = []
+    for r in select(read_all(outs), train_args, docs):
+        p = int(r.get("train", {}).get("p") or 0)
+        if not p or not r.get("gold_nll_by_line"):
+            continue
+        if (r["doc"], p) not in cache:
+            cache[r["doc"], p] = opening_regions(doc_path(r["doc"]).read_text(), tokenizer, p)
+        opening = cache[r["doc"], p]
+        rows.append({"doc": r["doc"], "seed": r["seed"], "conversations": r["conversations_planned"], "p": p,
+                     "train_args": r["extra_train_args"], **closure_by_region(r, opening, qa)})
+    return rows
+
+
 # ---- output
 
 
@@ -666,7 +716,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--other-conversations", type=int, default=None,
                    help="the other point's conversations (default: --conversations)")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("regions", help="each point's NLL closure on questions about the first p tokens and the rest")
+    p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to read")
+    p.add_argument("--train-args", default=None, help="only points with these extra train arguments ('' = defaults)")
+    p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
+    p.add_argument("--qa", default=str(EVAL_DIR / "questions.jsonl"))
+    p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "regions":
+        rows = regions([Path(o) for o in args.out], None if args.train_args is None else shlex.split(args.train_args),
+                       args.docs, Path(args.qa))
+        for r in rows:
+            parts = [f"{k} {_num(r[k]['closure'])} ({r[k]['questions']} questions)" for k in ("opening", "rest")]
+            print(f"{r['doc']} seed {r['seed']} n {r['conversations']} p {r['p']} {shlex.join(r['train_args'])!r}: "
+                  + ", ".join(parts))
+        if args.json:
+            print(json.dumps({"points": rows}), flush=True)
+        return 0
     if args.command == "compare":
         c = compare_docs([Path(o) for o in args.out], args.doc, args.seed, args.conversations,
                          shlex.split(args.base), shlex.split(args.other), args.other_conversations)

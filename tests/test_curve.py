@@ -342,3 +342,29 @@ def test_compare_over_documents_averages_each_documents_closure_change(tmp_path,
     assert lines[2].startswith("2 documents: closure +0.075 (+0.075 to +0.075)")
     assert [d["doc"] for d in json.loads(lines[-1])["per_doc"]] == ["raft", "panama"]
     assert curve.compare([out], "raft", 8, 2000, [], ["--p", "512"]) == c["per_doc"][0]
+
+
+def test_regions_split_a_points_closure_at_the_first_p_tokens(tmp_path):
+    from cartridges.chat import system_ids
+    from tests.tiny import tiny_llama
+
+    tokenizer = tiny_llama().tokenizer
+    text = "# Intro\nshort start.\n## Middle\n" + "filler words. " * 20 + "\n## End\nthe last part.\n"
+    # byte-level tokens: the text starts where a one-letter text's ids first differ from an empty one's
+    empty, letter = system_ids(tokenizer, ""), system_ids(tokenizer, "x")
+    start = next(i for i, (a, b) in enumerate(zip(empty, letter, strict=False)) if a != b)
+    wrapped = system_ids(tokenizer, text)
+    assert curve.opening_regions(text, tokenizer, len(wrapped)) == {"Intro", "Middle", "End"}
+    assert curve.opening_regions(text, tokenizer, start) == set()
+    middle = start + text.index("## Middle") + len("## Middle")
+    assert curve.opening_regions(text, tokenizer, middle) == {"Intro", "Middle"}
+    assert curve.opening_regions(text, tokenizer, middle - 1) == {"Intro"}
+    qa = tmp_path / "q.jsonl"
+    qa.write_text("\n".join(json.dumps({"region": r}) for r in ("Intro", "End", "End")) + "\n")
+    record = {"store": str(tmp_path / "s"), "gold_nll_by_line": {
+        "1": {"bare": 6.0, "icl": 4.0, "cartridge": 4.5},
+        "2": {"bare": 5.0, "icl": 3.0, "cartridge": 5.0},
+        "3": {"bare": 7.0, "icl": 5.0, "cartridge": 6.0}}}
+    by = curve.closure_by_region(record, {"Intro"}, qa)
+    assert by["opening"] == {"questions": 1, "closure": pytest.approx(0.75)}
+    assert by["rest"] == {"questions": 2, "closure": pytest.approx(1.0 / 4.0)}
