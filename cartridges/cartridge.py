@@ -156,8 +156,9 @@ def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Car
     The first-p init holds the opening of a document exactly and nothing of the rest; training
     then trades the one for the other. These rows start with some of every part instead."""
     rotary = rotary_of(lm.model)
-    if rotary is None:
-        raise ModelError("init 'snapkv' needs a model with one plain rotary embedding; use init 'corpus'")
+    if rotary is None or len(set(getattr(lm.model.config, "layer_types", None) or ())) > 1:
+        raise ModelError(f"init 'snapkv' needs one plain rotary embedding for every layer, which {lm.name} lacks "
+                         "(its layers differ in attention type or rotary); use init 'corpus'")
     corpus_prefix_ids(lm, text, p)  # the same length check as the corpus init
     ids = torch.tensor(system_ids(lm.tokenizer, text)[: lm.context_length], device=lm.device)
     rows = capture_rows(lm.model, ids)

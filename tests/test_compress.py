@@ -127,3 +127,12 @@ def test_snapkv_init_refuses_a_corpus_shorter_than_the_cartridge():
     n = len(system_ids(lm.tokenizer, text))
     with pytest.raises(CorpusError, match=rf"too short for p={n + 1}"):
         init_from_snapkv(lm, text, n + 1)
+
+
+def test_snapkv_init_refuses_a_model_whose_layers_rotate_differently():
+    from cartridges.errors import ModelError
+    from tests.tiny import tiny_gemma3
+
+    lm = tiny_gemma3()
+    with pytest.raises(ModelError, match="init 'snapkv' needs one plain rotary embedding for every layer"):
+        init_from_snapkv(lm, "Cartridges replace a long document in context. " * 8, 16)
