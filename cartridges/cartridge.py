@@ -154,7 +154,9 @@ def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Car
     """Rows drawn from the whole corpus: SnapKV's choice over its full KV, keys re-rotated to 0..p-1.
 
     The first-p init holds the opening of a document exactly and nothing of the rest; training
-    then trades the one for the other. These rows start with some of every part instead."""
+    then trades the one for the other. These rows start with some of every part instead. The
+    `frozen` rows are the corpus's first tokens, exactly, whatever SnapKV scores them: with a
+    larger `frozen`, an opening training cannot erode and chosen rows from the rest."""
     rotary = rotary_of(lm.model)
     if rotary is None or len(set(getattr(lm.model.config, "layer_types", None) or ())) > 1:
         raise ModelError(f"init 'snapkv' needs one plain rotary embedding for every layer, which {lm.name} lacks "
