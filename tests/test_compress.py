@@ -136,3 +136,17 @@ def test_snapkv_init_refuses_a_model_whose_layers_rotate_differently():
     lm = tiny_gemma3()
     with pytest.raises(ModelError, match="init 'snapkv' needs one plain rotary embedding for every layer"):
         init_from_snapkv(lm, "Cartridges replace a long document in context. " * 8, 16)
+
+
+def test_snapkv_init_with_more_frozen_rows_holds_the_corpus_opening_exactly():
+    # Reference: the corpus init, whose rows are a real prefill of the corpus's first p tokens.
+    lm = tiny_llama(dtype=torch.float64)
+    text = "Cartridges replace a long document in context. Self-study asks about every fact. " * 3
+    p, frozen = 48, 20
+    cart = init_from_snapkv(lm, text, p, frozen=frozen)
+    corpus = init_from_corpus(lm, text, p)
+    assert cart.frozen == frozen
+    for (k, v), (k0, v0) in zip(cart.rows(), corpus.rows(), strict=True):
+        torch.testing.assert_close(k[:, :frozen], k0[:, :frozen].to(k.dtype))
+        torch.testing.assert_close(v[:, :frozen], v0[:, :frozen].to(v.dtype))
+        assert not torch.allclose(v[:, frozen:], v0[:, frozen:].to(v.dtype))  # the rest chosen from further on
