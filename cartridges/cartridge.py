@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from cartridges.chat import system_ids
-from cartridges.compress import keep_rows, rotary_of, snapkv_keep
+from cartridges.compress import rotary_of, snapkv_rows
 from cartridges.errors import CorpusError, GeometryError, ModelError
 from cartridges.models import LoadedModel
 from cartridges.prefix import capture_rows
@@ -163,9 +163,8 @@ def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Car
                          "(its layers differ in attention type or rotary); use init 'corpus'")
     corpus_prefix_ids(lm, text, p)  # the same length check as the corpus init
     ids = torch.tensor(system_ids(lm.tokenizer, text)[: lm.context_length], device=lm.device)
-    rows = capture_rows(lm.model, ids)
-    keep = snapkv_keep(lm.model, ids, rows[0][0].shape[0], p, first=frozen)
-    return Cartridge.from_rows(_float32(keep_rows(rows, keep, rotary)), frozen, {"init": "snapkv"})
+    rows = snapkv_rows(lm.model, ids, capture_rows(lm.model, ids), p, rotary, first=frozen)
+    return Cartridge.from_rows(_float32(rows), frozen, {"init": "snapkv"})
 
 
 def init_random(lm: LoadedModel, text: str, p: int, frozen: int = 1, seed: int = 0) -> Cartridge:

@@ -103,6 +103,12 @@ def knorm_rows(rows: Rows, budget: int, rotary=None) -> Rows:
     return keep_rows(rows, knorm_keep(rows, budget), rotary)
 
 
+def snapkv_rows(model: torch.nn.Module, input_ids: torch.Tensor, rows: Rows, budget: int, rotary=None,
+                first: int = 0) -> Rows:
+    """SnapKV's press over a prefill's `rows` of `input_ids`, keys re-rotated when `rotary` is given."""
+    return keep_rows(rows, snapkv_keep(model, input_ids, rows[0][0].shape[0], budget, first=first), rotary)
+
+
 def first_rows(rows: Rows, budget: int) -> Rows:
     """The first `budget` rows: the untrained corpus-init cartridge (already at 0..budget-1)."""
     return [(k[:, :budget], v[:, :budget]) for k, v in rows]

@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 
 from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.compress import first_rows, keep_rows, knorm_rows, rotary_of, snapkv_keep
+from cartridges.compress import first_rows, knorm_rows, rotary_of, snapkv_rows
 from cartridges.corpus import expand, read_text
 from cartridges.errors import CorpusError
 from cartridges.evaluate import (
@@ -106,7 +106,7 @@ class Inputs:
     def _snapkv(self, key: str):
         rows = self.full_kv(key)
         ids = torch.tensor(self.context(key), device=self.lm.device)
-        return keep_rows(rows, snapkv_keep(self.lm.model, ids, rows[0][0].shape[0], self.budget), self.rotary)
+        return snapkv_rows(self.lm.model, ids, rows, self.budget, self.rotary)
 
     def retrieve(self, q: Question) -> list[str]:
         if q.question not in self.selected:
