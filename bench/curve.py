@@ -510,10 +510,10 @@ def opening_regions(text: str, tokenizer, p: int) -> set[str]:
     return {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#") and line in opening}
 
 
-def closure_by_region(record: dict, opening: set[str], qa: Path) -> dict[str, dict]:
+def closure_by_region(record: dict, opening: set[str], questions: Sequence[str]) -> dict[str, dict]:
     """A point's gold-NLL closure on the questions about the opening (the first p tokens) and on the
-    rest, each as the mean NLL drop over the mean bare-to-ICL gap of its questions."""
-    questions = qa.read_text().splitlines()
+    rest, each as the mean NLL drop over the mean bare-to-ICL gap of its questions (`questions`: the
+    question file's lines)."""
     answers = eval_answers(record, Path(record["store"]).parent / "eval-store")
     groups: dict[str, list[dict[str, float]]] = {"opening": [], "rest": []}
     for line, arms in answers.items():
@@ -533,6 +533,7 @@ def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequen
     from cartridges.models import load_model
 
     tokenizer = load_model("smollm2").tokenizer
+    questions = qa.read_text().splitlines()
     cache: dict[tuple[str, int], set[str]] = {}
     rows = []
     for r in select(read_all(outs), train_args, docs):
@@ -543,7 +544,7 @@ def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequen
             cache[r["doc"], p] = opening_regions(doc_path(r["doc"]).read_text(), tokenizer, p)
         opening = cache[r["doc"], p]
         rows.append({"doc": r["doc"], "seed": r["seed"], "conversations": r["conversations_planned"], "p": p,
-                     "train_args": r["extra_train_args"], **closure_by_region(r, opening, qa)})
+                     "train_args": r["extra_train_args"], **closure_by_region(r, opening, questions)})
     return rows
 
 

@@ -365,6 +365,6 @@ def test_regions_split_a_points_closure_at_the_first_p_tokens(tmp_path):
         "1": {"bare": 6.0, "icl": 4.0, "cartridge": 4.5},
         "2": {"bare": 5.0, "icl": 3.0, "cartridge": 5.0},
         "3": {"bare": 7.0, "icl": 5.0, "cartridge": 6.0}}}
-    by = curve.closure_by_region(record, {"Intro"}, qa)
+    by = curve.closure_by_region(record, {"Intro"}, qa.read_text().splitlines())
     assert by["opening"] == {"questions": 1, "closure": pytest.approx(0.75)}
     assert by["rest"] == {"questions": 2, "closure": pytest.approx(1.0 / 4.0)}
