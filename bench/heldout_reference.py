@@ -8,7 +8,7 @@ cartridge can lower the held-out loss only by what carries over from the rest of
 the corpus. This scores a store's held-out conversations behind three reference
 prefixes and beside the trained cartridge:
 
-- ``init``: the corpus-init cartridge of the run's p rows (the run's "before");
+- ``init``: the run's untrained cartridge, built by its own init (the run's "before");
 - ``training_region``: the text training chunks may cover, in context, i.e. a
   cartridge that stored the training text perfectly (every document up to its
   reserved tail with "tail"; the whole corpus with "sample");
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from cartridges.cartridge import Cartridge, init_from_corpus
+from cartridges.cartridge import Cartridge, init_cartridge
 from cartridges.chat import system_ids
 from cartridges.corpus import document_text
 from cartridges.models import LoadedModel, load_model
@@ -74,8 +74,11 @@ def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> di
                                        **{k: v for k, v in arts["chunks"].config.items() if k in fields}})
     trained = summary_of(store, arts["train"])
     text = corpus_of(docs)
+    cfg = arts["train"].config  # runs from before "init" and "auto" existed used the corpus init
+    start = init_cartridge(lm, text, cfg.get("init", "corpus"), int(trained["p"]), int(cfg.get("frozen", 1)),
+                           int(cfg.get("seed", 7)))
     losses = {
-        "init": mean_loss(lm.model, [init_from_corpus(lm, text, int(trained["p"]))], heldout),
+        "init": mean_loss(lm.model, [start], heldout),
         "trained": trained["heldout_loss_after"],
         "training_region": mean_loss(lm.model, [in_context(lm, training_region(docs, chunk_cfg, lm.tokenizer))],
                                      heldout),

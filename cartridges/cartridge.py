@@ -157,14 +157,41 @@ def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Car
     then trades the one for the other. These rows start with some of every part instead. The
     `frozen` rows are the corpus's first tokens, exactly, whatever SnapKV scores them: with a
     larger `frozen`, an opening training cannot erode and chosen rows from the rest."""
-    rotary = rotary_of(lm.model)
-    if rotary is None or len(set(getattr(lm.model.config, "layer_types", None) or ())) > 1:
-        raise ModelError(f"init 'snapkv' needs one plain rotary embedding for every layer, which {lm.name} lacks "
-                         "(its layers differ in attention type or rotary); use init 'corpus'")
+    reason = snapkv_init_reason(lm)
+    if reason:
+        raise ModelError(f"{reason}; use init 'corpus'")
     corpus_prefix_ids(lm, text, p)  # the same length check as the corpus init
     ids = torch.tensor(system_ids(lm.tokenizer, text)[: lm.context_length], device=lm.device)
-    rows = snapkv_rows(lm.model, ids, capture_rows(lm.model, ids), p, rotary, first=frozen)
+    rows = snapkv_rows(lm.model, ids, capture_rows(lm.model, ids), p, rotary_of(lm.model), first=frozen)
     return Cartridge.from_rows(_float32(rows), frozen, {"init": "snapkv"})
+
+
+def snapkv_init_reason(lm: LoadedModel) -> str | None:
+    """Why SnapKV's rows cannot be re-rotated to 0..p-1 for this model; None when they can."""
+    if rotary_of(lm.model) is None or len(set(getattr(lm.model.config, "layer_types", None) or ())) > 1:
+        return (f"init 'snapkv' needs one plain rotary embedding for every layer, which {lm.name} lacks "
+                "(its layers differ in attention type or rotary)")
+    return None
+
+
+def resolve_init(lm: LoadedModel, init: str) -> str:
+    """'auto' is SnapKV's rows where the model allows them (they closed more of the gold-NLL gap
+    on every document and seed measured, docs/QUALITY.md), else the corpus's first rows."""
+    if init != "auto":
+        return init
+    return "corpus" if snapkv_init_reason(lm) else "snapkv"
+
+
+def init_cartridge(lm: LoadedModel, text: str, init: str, p: int, frozen: int = 1, seed: int = 0) -> Cartridge:
+    """The cartridge a run starts from; its `meta["init"]` names the init actually used."""
+    init = resolve_init(lm, init)
+    if init == "corpus":
+        return init_from_corpus(lm, text, p, frozen)
+    if init == "snapkv":
+        return init_from_snapkv(lm, text, p, frozen)
+    if init == "random":
+        return init_random(lm, text, p, frozen, seed)
+    raise ValueError(f"init {init!r}: unknown (auto, corpus, snapkv or random)")
 
 
 def init_random(lm: LoadedModel, text: str, p: int, frozen: int = 1, seed: int = 0) -> Cartridge:

@@ -16,7 +16,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
-from schemas.configs import HELDOUT_REGIONS, LR_SCHEDULES, TEACHER_CONTEXTS
+from schemas.configs import HELDOUT_REGIONS, INITS, LR_SCHEDULES, TEACHER_CONTEXTS
 
 
 @command("equiv")
@@ -81,7 +81,8 @@ PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
     ("--save-every", "train", "save_every", int),
     ("--min-heldout-drop", "health", "min_heldout_drop", float),
 ]
-OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS, "--schedule": LR_SCHEDULES,
+OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS, "--init": INITS,
+                                              "--schedule": LR_SCHEDULES,
                                               "--teacher-context": TEACHER_CONTEXTS}
 STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 

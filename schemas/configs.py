@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Self
 SEED_TYPES: tuple[str, ...] = (
     "structuring", "summarization", "question", "use_case", "creative", "mechanism", "verbatim",
 )
-INITS: tuple[str, ...] = ("corpus", "snapkv", "random")
+INITS: tuple[str, ...] = ("auto", "corpus", "snapkv", "random")
 HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 TEACHER_CONTEXTS: tuple[str, ...] = ("chunk", "document")
@@ -252,7 +252,7 @@ class TrainConfig(_Config):
     epochs: int = 2  # at 1,000 conversations 4 epochs gave the same gold-NLL closure in twice the time
     schedule: str = added("constant")  # or "cosine": linear warm-up, then cosine decay to 0 at the last step
     warmup: float = added(0.0)  # share of all steps spent warming up linearly from 0 (any schedule)
-    init: str = "corpus"
+    init: str = "auto"  # snapkv where the model allows it, else corpus (cartridges.cartridge.resolve_init)
     pack: bool = True
     checkpoint: bool = False
     draft_ref: bool = added(False)  # embed the corpus token ids in the file: serve --spec drafts from them

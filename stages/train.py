@@ -1,4 +1,4 @@
-"""Train stage: a corpus-init cartridge trained on the teacher targets with Adam.
+"""Train stage: an initialized cartridge trained on the teacher targets with Adam.
 
 Checkpoints (`save_every` steps) are step-numbered files plus a `progress.json`
 written last, so a crash at any moment leaves a consistent checkpoint; a rerun of
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from cartridges.cartridge import init_from_corpus, init_from_snapkv, init_random
+from cartridges.cartridge import init_cartridge
 from cartridges.corpus import document_text
 from cartridges.errors import CartridgeError
 from cartridges.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
@@ -82,12 +82,7 @@ def train_cartridge(
         load_optimizer(ctx_dir / state["optimizer"], opt)
         log, start, before = state["log"], state["step"], state["heldout_before"]
     else:
-        if config.init == "corpus":
-            cart = init_from_corpus(lm, text, config.p, config.frozen)
-        elif config.init == "snapkv":
-            cart = init_from_snapkv(lm, text, config.p, config.frozen)
-        else:
-            cart = init_random(lm, text, config.p, config.frozen, config.seed)
+        cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed)
         opt = make_optimizer(cart, config.lr)
         log, start, before = [], 0, mean_loss(lm.model, [cart], heldout)
     for step in range(start, len(groups)):
@@ -108,17 +103,18 @@ def train_cartridge(
             _checkpoint(ctx_dir, lm, cart, opt, step + 1, log, before, corpus_sha)
         fault_point(f"train.step.{step}")
     after = mean_loss(lm.model, [cart], heldout)
+    init = cart.meta.get("init", config.init)  # what "auto" resolved to (a checkpoint's meta keeps it)
     if log:
         log[-1]["heldout_loss"] = after
     draft = lm.tokenizer(text, add_special_tokens=False)["input_ids"] if config.draft_ref else None
     save_cartridge(ctx_dir / CARTRIDGE_FILE, cart, lm.fingerprint, steps=len(groups), corpus_sha256=corpus_sha,
-                   init=config.init, lr=config.lr, draft_reference=draft)
+                   init=init, lr=config.lr, draft_reference=draft)
     supervised = sum(r["tokens"] for r in log)
     summary = {
         "heldout_loss_before": before, "heldout_loss_after": after,
         "heldout_conversations": len(heldout), "train_conversations": len(train),
         "steps": len(groups), "supervised_tokens": supervised,
-        "train_seconds": sum(r["seconds"] for r in log), "p": config.p, "lr": config.lr,
+        "train_seconds": sum(r["seconds"] for r in log), "p": config.p, "lr": config.lr, "init": init,
         "losses": [r["loss"] for r in log],
     }
     write_json_atomic(ctx_dir / SUMMARY_FILE, summary)

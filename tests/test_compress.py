@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.cartridge import init_from_corpus, init_from_snapkv
+from cartridges.cartridge import init_cartridge, init_from_corpus, init_from_snapkv
 from cartridges.chat import system_ids
 from cartridges.compress import (
     first_rows,
@@ -150,3 +150,19 @@ def test_snapkv_init_with_more_frozen_rows_holds_the_corpus_opening_exactly():
         torch.testing.assert_close(k[:, :frozen], k0[:, :frozen].to(k.dtype))
         torch.testing.assert_close(v[:, :frozen], v0[:, :frozen].to(v.dtype))
         assert not torch.allclose(v[:, frozen:], v0[:, frozen:].to(v.dtype))  # the rest chosen from further on
+
+
+def test_auto_init_is_snapkv_where_the_model_allows_it_and_the_corpus_init_elsewhere():
+    # References: the two inits called directly on the same text.
+    from tests.tiny import tiny_gemma3
+
+    text = "Cartridges replace a long document in context. Self-study asks about every fact. " * 3
+    for lm, direct, name in ((tiny_llama(dtype=torch.float64), init_from_snapkv, "snapkv"),
+                             (tiny_gemma3(), init_from_corpus, "corpus")):
+        auto, ref = init_cartridge(lm, text, "auto", 24, frozen=4), direct(lm, text, 24, 4)
+        assert auto.meta["init"] == name and auto.frozen == 4
+        for (k, v), (k0, v0) in zip(auto.rows(), ref.rows(), strict=True):
+            torch.testing.assert_close(k, k0)
+            torch.testing.assert_close(v, v0)
+    with pytest.raises(ValueError, match="init 'nope'"):
+        init_cartridge(tiny_llama(), text, "nope", 24)

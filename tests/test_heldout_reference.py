@@ -8,6 +8,7 @@ from bench.heldout_reference import references, training_region
 from schemas import ChunkConfig
 from schemas.presets import preset
 from stages.pipeline import run_pipeline
+from stages.train import summary_of
 from storage import Store, StoreError
 from tests.tiny import tiny_llama
 
@@ -30,6 +31,7 @@ def test_training_region_covers_every_training_chunk_and_no_heldout_chunk(tmp_pa
     assert min(c["start"] for c in chunks if c["split"] == "heldout") >= len(region)
 
     out = references(store, lm)
+    assert summary_of(store, store.latest("train"))["init"] == "snapkv"  # "auto" on a model with one rotary
     # The init reference is rebuilt here; the train stage scored the same cartridge on its own path.
     assert out["losses"]["init"] == pytest.approx(out["trained_init_loss"], rel=1e-5)
     assert out["losses"]["training_region"] != out["losses"]["whole_corpus"]

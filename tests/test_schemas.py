@@ -27,7 +27,7 @@ def test_defaults_are_exact() -> None:
     train, chunks, synth, teacher = TrainConfig(), ChunkConfig(), SynthConfig(), TeacherConfig()
     assert (train.p, train.frozen, train.lr, train.accum, train.epochs) == (1024, 1, 2e-2, 4, 2)
     assert (train.init, train.pack, train.checkpoint, train.save_every, train.seed) == (
-        "corpus", True, False, 0, 7)
+        "auto", True, False, 0, 7)
     assert (chunks.chunk_min, chunks.chunk_max, chunks.conversations, chunks.heldout) == (
         256, 512, 1000, 16)
     assert chunks.seed == 7
