@@ -28,7 +28,7 @@ from cartridges.corpus import document_text
 from cartridges.models import LoadedModel, load_model
 from cartridges.scoring import native_context
 from cartridges.train import mean_loss
-from schemas import ChunkConfig
+from schemas import ChunkConfig, TrainConfig
 from stages.chunks import heldout_reserve
 from stages.train import corpus_of, load_examples, summary_of
 from storage import Store, StoreError
@@ -74,9 +74,11 @@ def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> di
                                        **{k: v for k, v in arts["chunks"].config.items() if k in fields}})
     trained = summary_of(store, arts["train"])
     text = corpus_of(docs)
-    cfg = arts["train"].config  # runs from before "init" and "auto" existed used the corpus init
-    start = init_cartridge(lm, text, cfg.get("init", "corpus"), int(trained["p"]), int(cfg.get("frozen", 1)),
-                           int(cfg.get("seed", 7)))
+    # Runs recorded before "init" existed used the corpus init.
+    train_fields = set(TrainConfig.__dataclass_fields__)
+    train_cfg = TrainConfig.from_dict({"init": "corpus",
+                                       **{k: v for k, v in arts["train"].config.items() if k in train_fields}})
+    start = init_cartridge(lm, text, train_cfg.init, train_cfg.p, train_cfg.frozen, train_cfg.seed)
     losses = {
         "init": mean_loss(lm.model, [start], heldout),
         "trained": trained["heldout_loss_after"],
