@@ -30,7 +30,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import stages.synthesize as synthesize
 import stages.teacher as teacher
 from cartridges.batch import Stream
-from cartridges.cartridge import init_from_corpus
+from cartridges.cartridge import init_cartridge
 from cartridges.generate import Generation
 from cartridges.models import LoadedModel, load_model
 from cartridges.train import group_backward, make_optimizer
@@ -109,7 +109,7 @@ def run_path(lm: LoadedModel, plan: list[dict], contexts: list[str], text: str, 
 
     train, _ = load_examples(pa.Table.from_pylist(usable, schema=TABLES["conversations"]),
                              pa.Table.from_pylist(targets, schema=TABLES["targets"]))
-    cart = init_from_corpus(lm, text, train_cfg.p, train_cfg.frozen)
+    cart = init_cartridge(lm, text, "corpus", train_cfg.p, train_cfg.frozen)
     opt = make_optimizer(cart, train_cfg.lr)
     t0 = time.perf_counter()
     for i in range(0, len(train), train_cfg.accum):

@@ -100,6 +100,9 @@ def _jsonable(value: Any) -> Any:
 
 def _coerce(cfg: object, name: str, hint: Any, value: Any) -> Any:
     """Check a field against its annotation; accept int for float and list for tuple."""
+    args = typing.get_args(hint)
+    if type(None) in args and len(args) == 2:  # `X | None`: None, or what X accepts
+        return None if value is None else _coerce(cfg, name, next(a for a in args if a is not type(None)), value)
     if isinstance(hint, type) and issubclass(hint, _Config):
         if isinstance(value, hint):
             return value
@@ -246,7 +249,8 @@ class TeacherConfig(_Config):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Config):
     p: int = 1024  # docs/QUALITY.md, levers: closure rose with rows (256, 512, 1,024) on each document tried
-    frozen: int = 1
+    # None: the init's own (cartridges.cartridge.default_frozen): half of p under snapkv, else 1
+    frozen: int | None = None
     lr: float = 2e-2  # docs/QUALITY.md, levers: lowest held-out loss of 2e-3, 2e-2 and 5e-2
     accum: int = 4
     epochs: int = 2  # at 1,000 conversations 4 epochs gave the same gold-NLL closure in twice the time
@@ -262,7 +266,7 @@ class TrainConfig(_Config):
     def validate(self) -> None:
         if self.p < 1:
             raise _bad(self, "p", "must be >= 1")
-        if not 0 <= self.frozen < self.p:
+        if self.frozen is not None and not 0 <= self.frozen < self.p:
             raise _bad(self, "frozen", f"must be in [0, p) with p={self.p}")
         if self.lr <= 0:
             raise _bad(self, "lr", "must be > 0")

@@ -115,6 +115,7 @@ def train_cartridge(
         "heldout_conversations": len(heldout), "train_conversations": len(train),
         "steps": len(groups), "supervised_tokens": supervised,
         "train_seconds": sum(r["seconds"] for r in log), "p": config.p, "lr": config.lr, "init": init,
+        "frozen": cart.frozen,
         "losses": [r["loss"] for r in log],
     }
     write_json_atomic(ctx_dir / SUMMARY_FILE, summary)

@@ -166,3 +166,20 @@ def test_auto_init_is_snapkv_where_the_model_allows_it_and_the_corpus_init_elsew
             torch.testing.assert_close(v, v0)
     with pytest.raises(ValueError, match="init 'nope'"):
         init_cartridge(tiny_llama(), text, "nope", 24)
+
+
+def test_a_run_that_names_no_frozen_rows_holds_half_of_p_under_snapkv_and_one_sink_row_otherwise():
+    # References: the inits called directly with the row counts spelled out.
+    from tests.tiny import tiny_gemma3
+
+    text = "Cartridges replace a long document in context. Self-study asks about every fact. " * 3
+    for lm, direct, frozen in ((tiny_llama(dtype=torch.float64), init_from_snapkv, 12),
+                               (tiny_gemma3(), init_from_corpus, 1)):
+        auto, ref = init_cartridge(lm, text, "auto", 24), direct(lm, text, 24, frozen)
+        assert auto.frozen == ref.frozen == frozen
+        for (k, v), (k0, v0) in zip(auto.rows(), ref.rows(), strict=True):
+            torch.testing.assert_close(k, k0)
+            torch.testing.assert_close(v, v0)
+    lm = tiny_llama(dtype=torch.float64)
+    assert init_cartridge(lm, text, "corpus", 24).frozen == 1
+    assert init_cartridge(lm, text, "random", 24).frozen == 1

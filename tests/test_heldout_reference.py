@@ -31,7 +31,9 @@ def test_training_region_covers_every_training_chunk_and_no_heldout_chunk(tmp_pa
     assert min(c["start"] for c in chunks if c["split"] == "heldout") >= len(region)
 
     out = references(store, lm)
-    assert summary_of(store, store.latest("train"))["init"] == "snapkv"  # "auto" on a model with one rotary
+    summary = summary_of(store, store.latest("train"))
+    assert summary["init"] == "snapkv"  # "auto" on a model with one rotary
+    assert summary["frozen"] == summary["p"] // 2  # the snapkv init's own frozen rows
     # The init reference is rebuilt here; the train stage scored the same cartridge on its own path.
     assert out["losses"]["init"] == pytest.approx(out["trained_init_loss"], rel=1e-5)
     assert out["losses"]["training_region"] != out["losses"]["whole_corpus"]

@@ -25,7 +25,7 @@ from schemas import (
 
 def test_defaults_are_exact() -> None:
     train, chunks, synth, teacher = TrainConfig(), ChunkConfig(), SynthConfig(), TeacherConfig()
-    assert (train.p, train.frozen, train.lr, train.accum, train.epochs) == (1024, 1, 2e-2, 4, 2)
+    assert (train.p, train.frozen, train.lr, train.accum, train.epochs) == (1024, None, 2e-2, 4, 2)
     assert (train.init, train.pack, train.checkpoint, train.save_every, train.seed) == (
         "auto", True, False, 0, 7)
     assert (chunks.chunk_min, chunks.chunk_max, chunks.conversations, chunks.heldout) == (
@@ -49,6 +49,8 @@ def test_defaults_are_exact() -> None:
         (TrainConfig, "p", 0),
         (TrainConfig, "frozen", TrainConfig().p),  # frozen must stay below p
         (TrainConfig, "frozen", -1),
+        (TrainConfig, "frozen", "4"),  # None or an int, nothing else
+        (TrainConfig, "frozen", 4.0),
         (TrainConfig, "lr", 0.0),
         (TrainConfig, "accum", 0),
         (TrainConfig, "epochs", 0),
