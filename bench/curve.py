@@ -336,6 +336,9 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
             row[f"{short}_points"] = len(vals)
         for arm in ARMS:
             row[f"{arm}_accuracy"] = _mean([v for v in (_acc(r, arm) for r in group) if v is not None])
+        # bare and in context score the same on every seed of a document; only the cartridge varies
+        row["cartridge_accuracy_ci"] = bootstrap_mean_ci([v for v in (_acc(r, "cartridge") for r in group)
+                                                          if v is not None])
         row["train_wall_min"] = _mean([r["train_wall_s"] / 60 for r in group if r.get("train_wall_s") is not None])
         used = [r["conversations_used"] for r in group if r.get("conversations_used") is not None]
         row["conversations_used"] = _mean(used)
@@ -563,6 +566,10 @@ def _ci(ci: Sequence[float] | None) -> str:
     return "" if not ci else f" ({ci[0]:.2f} to {ci[1]:.2f})"
 
 
+def _pct_ci(ci: Sequence[float] | None) -> str:
+    return "" if not ci else f" ({100 * ci[0]:.1f} to {100 * ci[1]:.1f}%)"
+
+
 def fit_line(f: dict) -> str:
     if f["n_at_target"] is None:
         return f"fit: mean NLL closure vs log10(conversations): {f['reason']}" + (
@@ -581,7 +588,8 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
             f"| {r['conversations']:,} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
             f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])} "
             f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{acc_note} | {_pct(r['bare_accuracy'])} "
-            f"| {_pct(r['cartridge_accuracy'])} | {_pct(r['icl_accuracy'])} | {r['health_failed']} "
+            f"| {_pct(r['cartridge_accuracy'])}{_pct_ci(r['cartridge_accuracy_ci'])} | {_pct(r['icl_accuracy'])} "
+            f"| {r['health_failed']} "
             f"| {_num(r['train_wall_min'], '{:.1f}')} |")
     lines += ["", fit_line(f), "",
               "| doc | seed | conversations (used) | train args | held-out change | bare / cartridge / ICL accuracy "

@@ -157,6 +157,7 @@ def test_aggregate_and_fit_match_a_hand_computation():
     # two points a and b: the resampled means are a, (a+b)/2, b with weights 1/4, 1/2, 1/4,
     # so the 2.5th and 97.5th percentiles of 2,000 resamples are a and b
     assert r1000["nll_closure_ci"] == pytest.approx((0.2, 0.4))
+    assert r1000["cartridge_accuracy_ci"] == pytest.approx((0.25, 0.75))
     assert curve.bootstrap_mean_ci([0.3, 0.3, 0.3]) == pytest.approx((0.3, 0.3))
 
     f = curve.fit(rows)
