@@ -1,0 +1,110 @@
+"""Fleet quality on the eval documents: each document's multiple-choice questions answered
+behind its own cartridge alone and behind the whole fleet composed, for each
+mixed-visibility training arm, scored by the correct option's NLL as `cartridges eval` does.
+
+Held-out loss (bench.measure_fleet) cannot see whether a composed cartridge still answers
+about its document; the gold NLL's gap closure (bare 0, document in context 1) can, so a
+composition collapse, and the trained or frozen distractors' rescue of it, shows here or not
+at all. Every arm trains its own fleet of the same documents from the same corpus-init
+cartridges and the same synthetic data (the round artifacts are shared through the store);
+training runs in `--dtype` and scoring in float32, as the single-cartridge curve does.
+
+Run: `python -m bench.fleet_quality --out DIR [--seeds 7] [--rounds 75] [--json]`; a rerun
+resumes each arm's fleet and keeps finished arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from bench.measure_fleet import ARMS
+from cartridges.evaluate import Arm, closure, score_arm
+from cartridges.fleet import Fleet
+from cartridges.models import load_model
+from cartridges.qa import read_questions
+from schemas.presets import fleet_preset
+from stages.evaluate import Inputs, read_docs, select_questions
+from stages.fleet import run_fleet
+from storage import Store
+
+DOCS = ["docs/eval/raft.md", "docs/eval/panama.md", "docs/eval/photosynthesis.md"]
+QA = "docs/eval/questions.jsonl"
+# 8 conversations a round, 75 rounds: about 200 conversations a document over 3 documents,
+# at the single cartridge's lr (docs/QUALITY.md); every document stays resident (budget 3).
+BUDGET = {"p": 256, "budget": 3, "rotate_every": 10, "rounds": 75, "accum": 8, "lr": 2e-2, "warmup": 8,
+          "heldout": 4, "synth": {"gen_batch": 8}}
+
+
+def _closures(scored: dict, doc: str, arm: str) -> dict:
+    mine = {name: [s for s in rows if s.question.doc == doc] for name, rows in scored.items()}
+    nll = closure(mine, arm, "gold_nll")
+    acc = [float(s.correct) for s in mine[arm]]
+    return {"nll_closure": nll["value"], "nll_closure_ci": nll["ci"], "accuracy": statistics.mean(acc),
+            "gold_nll": statistics.mean(s.gold_nll for s in mine[arm]), "questions": len(acc)}
+
+
+def evaluate(lm, directory: Path, docs: dict[str, str], questions: list, reference: dict) -> dict:
+    """Per document: closure alone (its own cartridge) and composed (every fleet cartridge)."""
+    fleet = Fleet.open(directory, lm)
+    alone = Arm("alone", key=lambda q: q.doc, rows=lambda q: fleet.rows([q.doc]))
+    composed = Arm("composed", key=lambda q: "all", rows=lambda q: fleet.rows(fleet.names))
+    scored = dict(reference)
+    for arm in (alone, composed):
+        scored[arm.name], _ = score_arm(lm, arm, questions, likelihood_only=True)
+    return {doc: {arm: _closures(scored, doc, arm) for arm in ("alone", "composed")} for doc in docs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="artifacts/fleet-quality")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[7])
+    ap.add_argument("--rounds", type=int, default=BUDGET["rounds"])
+    ap.add_argument("--dtype", default="bfloat16", help="training dtype (scoring is float32)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = {(r["seed"], r["arm"]): r for r in map(json.loads, results_path.read_text().splitlines())} \
+        if results_path.exists() else {}
+    docs = read_docs(DOCS)
+    questions, _ = select_questions(read_questions(QA)[0], docs)
+    questions = [q for q in questions if q.multiple_choice]
+    train_lm, eval_lm = load_model(None, None, args.dtype), load_model(None, None, "float32")
+    inputs = Inputs(eval_lm, [], docs)
+    reference = {arm.name: score_arm(eval_lm, arm, questions, likelihood_only=True)[0]
+                 for arm in inputs.arms(peers=False) if arm.name in ("bare", "icl")}
+    store = Store(out / "store")
+    for seed in args.seeds:
+        for arm, changes in ARMS.items():
+            if (seed, arm) in done:
+                continue
+            rounds = {"rounds": args.rounds} if changes.get("rounds") is None else {}
+            cfg = fleet_preset("default", {**BUDGET, **rounds, **changes, "seed": seed})
+            directory = out / f"seed{seed}-{arm.replace(' ', '-').replace('=', '')}"
+            start = time.perf_counter()
+            run_fleet(store, train_lm, DOCS, directory, cfg, resume=(directory / "fleet.json").exists(),
+                      log=lambda line: print(line, flush=True))
+            trained = time.perf_counter() - start
+            row = {"seed": seed, "arm": arm, "rounds": cfg.rounds, "train_seconds": trained,
+                   "documents": evaluate(eval_lm, directory, docs, questions, reference)}
+            row["eval_seconds"] = time.perf_counter() - start - trained
+            with results_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            done[(seed, arm)] = row
+            print(json.dumps(row), flush=True)
+    results = [done[k] for k in sorted(done, key=lambda k: (k[0], list(ARMS).index(k[1])))]
+    for r in results:
+        cells = [f"{d}: {v['alone']['nll_closure']:.2f} alone, {v['composed']['nll_closure']:.2f} composed"
+                 for d, v in r["documents"].items()]
+        print(f"seed {r['seed']} {r['arm']}: " + "; ".join(cells))
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
