@@ -415,7 +415,7 @@ def per_question(record: dict, eval_store: Path) -> dict[str, dict[str, float]] 
 Changes = tuple[list[int], "np.ndarray", float]
 
 
-def _changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> Changes:
+def question_changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> Changes:
     """The questions both points scored, the cartridge's gold-NLL change on each from a to b, and
     a's mean bare-to-ICL gap over them."""
     import numpy as np
@@ -480,7 +480,7 @@ def compare_docs(outs: Sequence[Path], docs: Sequence[str], seed: int, n: int, b
     other_n = n if other_n is None else other_n
     records = read_all(outs)
     answers = [_answers(records, outs, doc, seed, n, base, other, other_n) for doc in docs]
-    changes = [_changes(a["base"], a["other"]) for a in answers]
+    changes = [question_changes(a["base"], a["other"]) for a in answers]
     per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
                 "other": list(other), **paired(c)} for doc, c in zip(docs, changes, strict=True)]
     if len(docs) < 2:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.fleet_quality import evaluate
+from bench.fleet_quality import change, evaluate
 from cartridges.cartridge import Cartridge
 from cartridges.evaluate import score_arm
 from cartridges.files import save_cartridge
@@ -24,6 +24,7 @@ QUESTIONS = [
     {"doc": "d0.md", "question": "Where do apples grow?", "options": ["orchards", "orbit"], "answer": 0},
     {"doc": "d0.md", "question": "What grows in orchards?", "options": ["rockets", "apples"], "answer": 1},
     {"doc": "d1.md", "question": "Where do rockets fly?", "options": ["orchards", "orbit"], "answer": 1},
+    {"doc": "d1.md", "question": "What flies to orbit?", "options": ["rockets", "apples"], "answer": 0},
 ]
 
 
@@ -50,7 +51,7 @@ def test_alone_and_composed_match_the_eval_stage_on_one_document(tmp_path):
     composed = eval_stage.run(Store(tmp_path / "e2"), lm, str(qa), mine, [], [str(path)], corpus, max_new=4,
                               log=lambda _: None)
     d0 = out["d0.md"]
-    assert d0["alone"]["questions"] == 2 and out["d1.md"]["alone"]["questions"] == 1
+    assert d0["alone"]["questions"] == 2 and out["d1.md"]["alone"]["questions"] == 2
     assert d0["alone"]["gold_nll"] == pytest.approx(alone["arms"]["fleet_oracle"]["gold_nll"], rel=1e-5)
     assert d0["alone"]["accuracy"] == pytest.approx(alone["arms"]["fleet_oracle"]["accuracy"])
     assert d0["composed"]["gold_nll"] == pytest.approx(composed["arms"]["cartridge"]["gold_nll"], rel=1e-5)
@@ -59,3 +60,17 @@ def test_alone_and_composed_match_the_eval_stage_on_one_document(tmp_path):
     for arm in ("alone", "composed"):
         expected = (bare - d0[arm]["gold_nll"]) / (bare - icl) if icl < bare else None
         assert d0[arm]["nll_closure"] == (None if expected is None else pytest.approx(expected, rel=1e-5))
+
+    # The paired change pools each document's mean change over its own bare-to-ICL gap.
+    expected = []
+    for cell in out.values():
+        rows = list(cell["by_question"].values())
+        gap = sum(r["bare"] - r["icl"] for r in rows) / len(rows)
+        expected.append(-sum(r["composed"] - r["alone"] for r in rows) / len(rows) / gap if gap > 0 else None)
+    got = change({"documents": out}, {"documents": out}, "alone", "composed")["closure_change"]
+    if None in expected:
+        assert got is None
+    else:
+        assert got == pytest.approx(sum(expected) / len(expected), rel=1e-6)
+    assert out["d0.md"]["by_question"]["0"]["alone"] == pytest.approx(
+        alone["arms"]["fleet_oracle"]["gold_nll"] * 2 - out["d0.md"]["by_question"]["1"]["alone"], rel=1e-5)
