@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from bench.curve import pooled, question_changes
-from bench.measure_fleet import ARMS
+from bench.measure_fleet import ARMS, arm_dir
 from cartridges.evaluate import Arm, closure, score_arm
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
@@ -133,7 +133,7 @@ def main() -> None:
                 continue
             rounds = {"rounds": args.rounds} if changes.get("rounds") is None else {}
             cfg = fleet_preset("default", {**BUDGET, **rounds, **changes, "seed": seed})
-            directory = out / f"seed{seed}-{arm.replace(' ', '-').replace('=', '')}"
+            directory = arm_dir(out, seed, arm)
             trained = row["train_seconds"] if row else train_arm(store, train_lm, directory, cfg)
             start = time.perf_counter()
             row = {"seed": seed, "arm": arm, "rounds": cfg.rounds, "train_seconds": trained,

@@ -61,6 +61,13 @@ def lineage(store: Store, train_id: str | None = None) -> dict:
     return {"ingest": documents, "chunks": chunks, "synthesize": conversations, "teacher": targets, "train": train}
 
 
+def _recorded(cls, config: dict, before: dict):
+    """A stage's recorded config as `cls`: fields added since take their `before` value, and
+    keys the stage's fingerprint holds beyond the config's fields are dropped."""
+    fields = set(cls.__dataclass_fields__)
+    return cls.from_dict({**before, **{k: v for k, v in config.items() if k in fields}})
+
+
 def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> dict:
     """Held-out losses behind each reference prefix and beside a trained cartridge."""
     arts = lineage(store, train_id)
@@ -68,16 +75,12 @@ def references(store: Store, lm: LoadedModel, train_id: str | None = None) -> di
     _, heldout = load_examples(store.table(arts["synthesize"]), store.table(arts["teacher"]))
     if not heldout:
         raise StoreError(f"{store.root}: the run has no held-out conversations (heldout=0?)")
-    fields = set(ChunkConfig.__dataclass_fields__)
     # Chunk plans recorded before heldout_region existed all reserved tails.
-    chunk_cfg = ChunkConfig.from_dict({"heldout_region": "tail",
-                                       **{k: v for k, v in arts["chunks"].config.items() if k in fields}})
+    chunk_cfg = _recorded(ChunkConfig, arts["chunks"].config, {"heldout_region": "tail"})
     trained = summary_of(store, arts["train"])
     text = corpus_of(docs)
     # Runs recorded before "init" existed used the corpus init.
-    train_fields = set(TrainConfig.__dataclass_fields__)
-    train_cfg = TrainConfig.from_dict({"init": "corpus",
-                                       **{k: v for k, v in arts["train"].config.items() if k in train_fields}})
+    train_cfg = _recorded(TrainConfig, arts["train"].config, {"init": "corpus"})
     start = init_cartridge(lm, text, train_cfg.init, train_cfg.p, train_cfg.frozen, train_cfg.seed)
     losses = {
         "init": mean_loss(lm.model, [start], heldout),

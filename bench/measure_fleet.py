@@ -33,6 +33,11 @@ ARMS = {
 }
 
 
+def arm_dir(out: Path, seed: int, arm: str) -> Path:
+    """Where an arm's fleet lives under a measurement's output directory."""
+    return out / f"seed{seed}-{arm.replace(' ', '-').replace('=', '')}"
+
+
 def retrieval(store: Store, lm, fleet_dir: Path, cfg) -> dict:
     """Top-1 accuracy of held-out bot A questions (from each document's reserved tail)."""
     fleet = Fleet.open(fleet_dir, lm)
@@ -66,7 +71,7 @@ def main() -> None:
     for seed in args.seeds:
         for arm, changes in ARMS.items():
             cfg = fleet_preset("default", {**BUDGET, **changes, "seed": seed})
-            directory = out / f"seed{seed}-{arm.replace(' ', '-').replace('=', '')}"
+            directory = arm_dir(out, seed, arm)
             start = time.perf_counter()
             s = run_fleet(store, lm, DOCS, directory, cfg, resume=(directory / "fleet.json").exists(),
                           eval_distractors=2, log=lambda line: print(line, flush=True))
