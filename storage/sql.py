@@ -99,10 +99,37 @@ def known_views(root: Path | str) -> list[str]:
     return [r[0] for r in rows] + ["artifacts", "runs"]
 
 
+# Statements that only read. Everything else (DELETE, DROP, INSERT, UPDATE, CREATE, COPY ...
+# TO, EXPORT, ATTACH, INSTALL, ...) is refused before it runs: the catalog connection is
+# read-only anyway, but COPY and EXPORT would write files, into the store as well.
+READ_STATEMENTS = frozenset({"SELECT", "EXPLAIN", "PRAGMA", "CALL"})
+_EXPLAIN = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?", re.IGNORECASE)
+
+
+def check_read_only(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise StoreError naming the first statement of ``sql`` that is not a read."""
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as e:
+        raise StoreError(f"query failed: {e}") from e
+    for statement in statements:
+        kind = statement.type.name
+        if kind == "EXPLAIN":  # EXPLAIN ANALYZE runs its statement: check that one too
+            inner = _EXPLAIN.sub("", statement.query, count=1)
+            if inner != statement.query:
+                check_read_only(con, inner)
+                continue
+        if kind not in READ_STATEMENTS:
+            raise StoreError(f"cartridges sql only reads: {kind} statements are refused "
+                             "(the catalog is opened read-only; the pipeline alone changes the store)")
+
+
 def query(root: Path | str, sql: str) -> tuple[list[str], list[tuple]]:
-    """Run ``sql`` against the views; errors (syntax, missing table, bad shard) are StoreError."""
+    """Run ``sql`` against the views; errors (syntax, missing table, bad shard, a statement
+    that would write) are StoreError."""
     con = open_views(root)
     try:
+        check_read_only(con, sql)
         cur = con.execute(sql)
         if cur.description is None:
             return [], []
