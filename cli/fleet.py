@@ -46,6 +46,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
     p.add_argument("--eval-distractors", type=int, default=0,
                    help="also score each document's held-out loss with this many distractors co-loaded")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="when another run is writing this fleet, wait up to SECONDS for it (default: exit at once)")
     p.add_argument("--no-prefect", action="store_true", help="call the steps directly, without a Prefect flow run")
     add_runner_args(p)
     add_common(p)
@@ -59,6 +61,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--serve-url", default=None,
                    help="server to reload after publishing (default $CARTRIDGES_SERVE_URL; key from $CARTRIDGES_API_KEY)")
     p.add_argument("--serve-pid-file", default=None, help="or: send SIGHUP to the server PID in this file")
+    p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                   help="when another run is writing this fleet, wait up to SECONDS for it (default: exit at once)")
     add_runner_args(p)
     add_common(p)
 
@@ -101,20 +105,23 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         read_text(path, cfg.ingest.max_bytes)
     check_target(args.fleet, args.resume)
     check_runner(args)
+    from storage.lock import wait_free
+
+    wait_free(args.fleet, "fleet", args.wait)
     if args.no_prefect:
         from cartridges.models import load_model
         from stages.fleet import run_fleet
         from storage import Store
 
         summary = run_fleet(Store(args.store), load_model(args.model, args.device, args.dtype), docs, args.fleet, cfg,
-                            resume=args.resume, eval_distractors=args.eval_distractors)
+                            resume=args.resume, eval_distractors=args.eval_distractors, lock_wait=args.wait)
     else:
         from flows.fleet import fleet_flow
 
         summary = fleet_flow(docs=[str(d) for d in docs], fleet=args.fleet, config=cfg.to_dict(), model=args.model,
                              device=args.device, dtype=args.dtype, store_root=args.store, resume=args.resume,
                              eval_distractors=args.eval_distractors, task_runner=args.task_runner,
-                             dask_address=args.dask_address)
+                             dask_address=args.dask_address, lock_wait=args.wait)
     for line in summary_lines(summary):
         print(line)
     emit_json(args, summary)
@@ -130,10 +137,13 @@ def cmd_retrain(args: argparse.Namespace) -> int:
         raise CartridgeError("--docs is required: document files or directories")
     args.no_prefect = False
     check_runner(args)
+    from storage.lock import wait_free
+
+    wait_free(args.fleet, "retrain", args.wait)
     summary = retrain_flow(docs=[str(d) for d in docs], fleet=args.fleet, preset=args.preset, model=args.model,
                            device=args.device, dtype=args.dtype, store_root=args.store, serve_url=args.serve_url,
                            serve_pid_file=args.serve_pid_file, task_runner=args.task_runner,
-                           dask_address=args.dask_address)
+                           dask_address=args.dask_address, lock_wait=args.wait)
     print(summary["message"])
     if summary["trained"]:
         print(f"trained: {', '.join(summary['trained'])} ({summary['rounds_run']} rounds)")

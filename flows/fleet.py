@@ -36,23 +36,24 @@ def fleet_flow(
     dtype: str | None = None,
     store_root: str | None = None, resume: bool = False, eval_distractors: int = 0, preset: str = "default",
     task_runner: str = "local", dask_address: str | None = None, publish: bool = False,
-    serve_url: str | None = None, serve_pid_file: str | None = None,
+    serve_url: str | None = None, serve_pid_file: str | None = None, lock_wait: float = 0.0,
 ) -> dict:
     """`config` overrides the `preset`; `task_runner="dask"` initializes new and changed documents
     on Dask workers (a local cluster, or the scheduler at `dask_address`). With `publish`, `fleet`
     is a fleet root: the run builds the next version from the current one, switches `current` to
-    it and tells a running server to reload (as the retrain flow does, but always training)."""
+    it and tells a running server to reload (as the retrain flow does, but always training). Another
+    writer holding the directory (or root) makes the run wait up to `lock_wait` seconds, then fail."""
     cfg = fleet_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device, dtype)
     with fanout(task_runner, dask_address, model, device, dtype) as workers:
         if publish:
             summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, only_changed=False,
-                                  notify=partial(notify_reload, serve_url, serve_pid_file))
+                                  notify=partial(notify_reload, serve_url, serve_pid_file), lock_wait=lock_wait)
             markdown = retrain_markdown(summary)
         else:
             summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
-                                eval_distractors=eval_distractors, fanout=workers)
+                                eval_distractors=eval_distractors, fanout=workers, lock_wait=lock_wait)
             markdown = markdown_summary(summary)
     create_markdown_artifact(markdown=markdown, key="fleet-summary", description="fleet training run")
     return summary

@@ -24,16 +24,19 @@ def retrain_flow(
     device: str | None = None, dtype: str | None = None, store_root: str | None = None,
     serve_url: str | None = None,
     serve_pid_file: str | None = None, task_runner: str = "local", dask_address: str | None = None,
+    lock_wait: float = 0.0,
 ) -> dict:
     """`fleet` is the fleet root (versions/ + current). Without `preset` the live fleet's own config
     is used, `config` overriding it. The reload goes to `serve_url` ($CARTRIDGES_SERVE_URL; API key
-    from $CARTRIDGES_API_KEY) and/or SIGHUP to the PID in `serve_pid_file`."""
+    from $CARTRIDGES_API_KEY) and/or SIGHUP to the PID in `serve_pid_file`. Another writer holding the
+    root makes the run wait up to `lock_wait` seconds, then fail naming it."""
     cfg = retrain_config(fleet, preset, config)
     store = Store(store_root)
     lm = load_model(model, device, dtype)
     notify = partial(notify_reload, serve_url, serve_pid_file)
     with fanout(task_runner, dask_address, model, device, dtype) as workers:
-        summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, notify=notify)
+        summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, notify=notify,
+                              lock_wait=lock_wait)
     create_markdown_artifact(markdown=markdown_summary(summary), key="retrain-summary",
                              description="fleet retrain run")
     return summary

@@ -49,6 +49,7 @@ from stages.run_report import write_run_report
 from storage import Store, shards
 from storage.errors import StoreError
 from storage.faults import fault_point
+from storage.lock import LOCK_FILE, exclusive
 from storage.versions import is_versioned
 
 NAME = "fleet"
@@ -120,7 +121,7 @@ def _leftovers_only(directory: Path) -> bool:
         name = path.name
         leftover = path.is_file() and (name.startswith(("doc-", "index")) or
                                        (name.startswith(".") and name.endswith(".tmp")))
-        if not leftover and not (name == JOURNAL and path.is_dir()):
+        if not leftover and not (name == JOURNAL and path.is_dir()) and name != LOCK_FILE:
             return False
     return True
 
@@ -204,11 +205,18 @@ def run_fleet(
     store: Store, lm: LoadedModel, docs: list[str | Path], directory: str | Path,
     config: FleetConfig = FleetConfig(), resume: bool = False, call: Call = _plain,
     log: Callable[[str], None] = print, eval_distractors: int = 0, fanout: Fanout | None = None,
+    lock_wait: float | None = 0.0,
 ) -> dict:
     """Build, update or continue a fleet and its index; returns the run summary.
 
-    With `fanout`, new and changed documents are initialized on its workers.
+    With `fanout`, new and changed documents are initialized on its workers. One writer per
+    fleet directory: another one holding it makes this wait up to `lock_wait` seconds, then raise
+    `storage.lock.Busy` naming it (`None`: the caller holds the lock already).
     """
+    if lock_wait is not None:
+        with exclusive(directory, NAME, lock_wait):
+            return run_fleet(store, lm, docs, directory, config, resume, call, log, eval_distractors, fanout,
+                             lock_wait=None)
     directory = Path(directory)
     files = fleet_files(docs, config.ingest)
     model_id = lm.compute_id

@@ -37,11 +37,12 @@ from stages.fanout import Fanout
 from stages.fleet import fleet_files, run_fleet
 from stages.run_report import write_run_report
 from storage import Store
+from storage.lock import exclusive
 from storage.versions import (
     current,
     discard,
+    discard_unpublished,
     is_versioned,
-    locked,
     new_version,
     prune_versions,
     publish,
@@ -129,16 +130,20 @@ def run_retrain(
     store: Store, lm: LoadedModel, docs: list[str | Path], root: str | Path, config: FleetConfig,
     call: Callable[..., Any] = _plain, log: Callable[[str], None] = print, fanout: Fanout | None = None,
     notify: Callable[[], dict] | None = None, keep: int = KEEP_VERSIONS, only_changed: bool = True,
+    lock_wait: float = 0.0,
 ) -> dict:
     """Retrain what changed under `root` and publish it as a new version; returns the run summary.
 
     `only_changed=False` is the fleet flow publishing into a root: it always runs the fleet job
     (with nothing new or changed, the whole fleet continues training) and publishes the result.
+    One writer per root: another one holding it makes this wait up to `lock_wait` seconds, then
+    raise `storage.lock.Busy` naming it.
     """
     root = Path(root)
     started = time.perf_counter()
     files = fleet_files(docs, config.ingest)
-    with locked(root):  # one publisher per root at a time: a scheduled retrain waits for a fleet run
+    with exclusive(root, NAME if only_changed else "fleet-publish", lock_wait):
+        discard_unpublished(root)  # a version a killed writer was building: never published, never served
         run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
         with store.catalog.failing_run(run_id):
             docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
@@ -160,7 +165,7 @@ def run_retrain(
                 trains = bool(found["new"] or found["changed"]) or not only_changed
                 try:
                     fleet = run_fleet(store, lm, docs, target, config if trains else config.replace(rounds=0),
-                                      resume=live is not None, call=call, log=log, fanout=fanout)
+                                      resume=live is not None, call=call, log=log, fanout=fanout, lock_wait=None)
                 except BaseException:
                     discard(target)
                     raise

@@ -10,29 +10,14 @@ so a reader sees the old version or the new one, never a mix.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 from storage.atomic import _fsync_dir
 
 VERSIONS = "versions"
 CURRENT = "current"
-
-
-@contextlib.contextmanager
-def locked(root: Path | str) -> Iterator[None]:
-    """Hold `ROOT/.lock` exclusively: one publisher at a time builds and switches versions."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / ".lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def version_dirs(root: Path | str) -> list[Path]:
@@ -66,8 +51,8 @@ def new_version(root: Path | str, source: Path | str | None = None) -> Path:
     source = current(root) if source is None else Path(source)
     target.mkdir(parents=True)
     if source is not None:
-        for path in source.iterdir():
-            if path.is_file() and not path.is_symlink():
+        for path in source.iterdir():  # fleet files only: not the lock, not a writer's temp files
+            if path.is_file() and not path.is_symlink() and not path.name.startswith("."):
                 _link_or_copy(str(path), str(target / path.name))
     return target
 
@@ -94,6 +79,24 @@ def publish(root: Path | str, version: Path | str) -> Path:
 def discard(version: Path | str) -> None:
     """Remove an unpublished version (a failed build)."""
     shutil.rmtree(version, ignore_errors=True)
+
+
+def discard_unpublished(root: Path | str) -> list[str]:
+    """Remove version directories newer than `current`: builds a writer died in (never published,
+    so never read). Only the holder of the root's lock may call this."""
+    live = current(root)
+    if live is None and (Path(root) / CURRENT).is_symlink():
+        return []  # a broken link: leave everything for the error that follows
+    number = int(live.name) if live is not None and live.name.isdigit() else 0
+    removed = []
+    for path in version_dirs(root):
+        if int(path.name) > number:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    if live is None:  # nothing was ever published: the root is what it was before the first build
+        with contextlib.suppress(OSError):
+            (Path(root) / VERSIONS).rmdir()
+    return removed
 
 
 def prune_versions(root: Path | str, keep: int = 3) -> list[str]:
