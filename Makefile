@@ -19,7 +19,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline bench-spec curve curve-plot clean
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline bench-spec curve curve-plot clean gpu-check-dry
 
 setup: $(STAMP)
 
@@ -138,3 +138,11 @@ curve: setup
 # Today's defaults' curve, from the curve's points and the lever points run at today's defaults.
 curve-plot: setup
 	$(BIN)/python -m bench.curve plot --out docs/quality/curve.jsonl docs/quality/levers.jsonl --train-args "" --markdown
+
+# The GPU check's dry run (docs/BENCHMARKS.md): a clean Python 3.11 venv under GPU_DRY holding only
+# the accelerator machine's packages (no Prefect, DuckDB, faiss or gguf), `bench.gpu_check` on the
+# CPU at toy sizes, and the size of what a device call carries. GPU_DRY_ARGS=--fresh rebuilds the venv.
+GPU_DRY ?= build/gpu-dry
+GPU_DRY_ARGS ?=
+gpu-check-dry:
+	python3.11 -m bench.gpu.dry_run --dir $(GPU_DRY) $(GPU_DRY_ARGS)
