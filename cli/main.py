@@ -16,6 +16,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
+from cli.store import add_parsers as add_store_parsers
 from schemas.configs import HELDOUT_REGIONS, INITS, LR_SCHEDULES, TEACHER_CONTEXTS
 
 
@@ -357,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from server.options import add_serve_args
 
+    add_store_parsers(sub)
     p = sub.add_parser("serve", help="OpenAI-compatible server answering behind cartridge(s)")
     add_model_args(p)
     add_serve_args(p)

@@ -10,9 +10,10 @@ A published fleet root holds `versions/NNNN/` (each a complete fleet directory) 
    job on it with `resume`: changed and new documents are (re)initialized and only
    they train, removed ones leave, unchanged ones keep their files (byte-identical)
    and step counts; the index is rebuilt. Only removals: no rounds, a new index;
-4. switches `current` to the new version atomically, keeps the newest few versions,
-   and tells a running `cartridges serve --fleet` to reload (POST /admin/reload,
-   or SIGHUP to the PID in a file); a server that does not answer is a warning.
+4. switches `current` to the new version atomically, keeps the newest few versions, prunes
+   the store by the retention policy (storage/retention.py), and tells a running
+   `cartridges serve --fleet` to reload (POST /admin/reload, or SIGHUP to the PID in a
+   file); a server that does not answer is a warning.
 
 A fleet directory made by `cartridges fleet` (no `versions/`) is accepted as the
 source of the first version. Nothing here knows about Prefect.
@@ -38,13 +39,13 @@ from stages.fleet import fleet_files, run_fleet
 from stages.run_report import write_run_report
 from storage import Store
 from storage.lock import exclusive
+from storage.retention import prune
 from storage.versions import (
     current,
     discard,
     discard_unpublished,
     is_versioned,
     new_version,
-    prune_versions,
     publish,
 )
 
@@ -170,13 +171,15 @@ def run_retrain(
                     discard(target)
                     raise
                 call(publish, root, target)
-                pruned = prune_versions(root, keep)
+                retention = prune(store, keep, held=[root], protect=[run_id, fleet["run_id"]])
                 notified = notify() if notify is not None else {}
                 summary.update(
                     version=target.name, published=True, fleet_run_id=fleet["run_id"],
                     trained=[d["name"] for d in fleet["documents"] if d["trained"]],
                     rounds_run=fleet["rounds_run"], losses=fleet["losses"], documents=fleet["documents"],
-                    pruned_versions=pruned, notified=notified,
+                    pruned_versions=retention["versions"].get(str(root.resolve()), []),
+                    pruned_artifacts=len(retention["artifacts"]), freed_bytes=retention["freed_bytes"],
+                    notified=notified,
                     message=(f"published version {target.name}: {len(found['new'])} new, {len(found['changed'])} "
                              f"changed, {len(found['removed'])} removed, {len(found['unchanged'])} unchanged"),
                 )
