@@ -369,8 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from cli.stops import exit_code, polite_stops, rounds_now, stop_message
+
+    before = rounds_now(args)
     try:
-        return COMMANDS[args.command](args)
+        with polite_stops(args.command):
+            return COMMANDS[args.command](args)
     except Exception as exc:
         if args.debug or not _user_error(exc):
             raise
@@ -378,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
             exc, OSError) else ""
         print(f"error: {exc}{hint}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a long command (cli/stops.py)
+        print(stop_message(args, exc, before), file=sys.stderr)
+        return exit_code(exc)
 
 
 def _user_error(exc: Exception) -> bool:

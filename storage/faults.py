@@ -5,7 +5,10 @@
 - `<point>` is a point name, or a shell-style pattern over names (`fleet.round.*`);
 - `@<n>` fires on the n-th time a matching point is reached in this process (default 1);
 - `<mode>` is `kill` (the default: SIGKILL, as a real crash would), `raise` (raise
-  `InjectedFault`), or `enospc` (raise `OSError(ENOSPC)`, a full disk).
+  `InjectedFault`), `enospc` (raise `OSError(ENOSPC)`, a full disk), or `stop` (SIGSTOP:
+  the process halts there until SIGCONT, so a test can signal it at a known place).
+
+`last_point()` is the newest point this process passed (a stopped run names its step).
 
 `fault_points()` lists the points a run passes (`CARTRIDGES_FAULT_TRACE=<file>` appends
 each name reached to that file), which is how crash tests enumerate where to kill.
@@ -20,9 +23,14 @@ import signal
 
 ENV = "CARTRIDGES_FAULT"
 TRACE_ENV = "CARTRIDGES_FAULT_TRACE"
-MODES = ("kill", "raise", "enospc")
+MODES = ("kill", "raise", "enospc", "stop")
 
 _hits: dict[str, int] = {}
+_last: list[str] = []
+
+
+def last_point() -> str | None:
+    return _last[0] if _last else None
 
 
 class InjectedFault(RuntimeError):
@@ -44,6 +52,7 @@ def parse(spec: str) -> tuple[str, int, str]:
 
 
 def fault_point(name: str) -> None:
+    _last[:] = [name]
     trace = os.environ.get(TRACE_ENV)
     if trace:
         with open(trace, "a", encoding="utf-8") as f:
@@ -61,4 +70,4 @@ def fault_point(name: str) -> None:
         raise InjectedFault(f"injected fault at {name}")
     if mode == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)

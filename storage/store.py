@@ -142,6 +142,8 @@ class Store:
             rows = self._rows(directory)
             nbytes = shards.dir_bytes(directory)
         except BaseException as e:
+            if isinstance(e, KeyboardInterrupt) and not hasattr(e, "stage"):
+                e.stage = stage  # the innermost stage a stop interrupted, for its message
             try:
                 self.catalog.fail(art.id, f"{type(e).__name__}: {e}"[:4000])
             except StoreError as record_error:
