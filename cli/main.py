@@ -355,10 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p)
 
     add_parsers(sub)
+    add_store_parsers(sub)
 
     from server.options import add_serve_args
 
-    add_store_parsers(sub)
     p = sub.add_parser("serve", help="OpenAI-compatible server answering behind cartridge(s)")
     add_model_args(p)
     add_serve_args(p)
