@@ -28,6 +28,13 @@ def render() -> str:
     for name, sub in subs.choices.items():
         sub.prog = f"cartridges {name}"
         lines += [f"## `cartridges {name}`", "", helps.get(name) or "", "", "```", sub.format_help().rstrip(), "```", ""]
+        nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]  # `store usage`, ...
+        for action in nested:
+            inner = {c.dest: c.help for c in action._choices_actions}
+            for child_name, child in action.choices.items():
+                child.prog = f"cartridges {name} {child_name}"
+                lines += [f"### `cartridges {name} {child_name}`", "", inner.get(child_name) or "", "", "```",
+                          child.format_help().rstrip(), "```", ""]
     return "\n".join(lines)
 
 
