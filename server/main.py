@@ -57,8 +57,13 @@ class Server:
         return f"http://{host}:{self.port}"
 
     def run(self) -> None:
-        """Serve until interrupted (blocking)."""
+        """Serve until interrupted (blocking). On SIGTERM uvicorn stops accepting connections, gives
+        running requests up to `timeout_graceful_shutdown` (5 s) and then cancels them; this returns
+        and the command exits 0."""
         self.engine.start()
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn re-raises the signal it caught once it has shut down: let that SIGTERM pass
+            signal.signal(signal.SIGTERM, lambda *_: None)
         try:
             self.uvicorn.run(sockets=[self.sock])
         finally:
