@@ -165,3 +165,51 @@ def test_retrain_stopped_by_sigterm_keeps_the_live_version_and_the_rerun_publish
     assert [v.name for v in version_dirs(tmp_path / "run")] == ["0001"]
     assert fleet_state(current(tmp_path / "run")) == fleet_state(current(tmp_path / "clean"))
     print(f"retrain fleet.round.1 SIGTERM: exit 143 after {seconds:.2f} s: {last}")
+
+
+def test_eval_stopped_by_sigint_names_the_stage_and_the_rerun_scores_the_same(tmp_path, tiny_model_dir):
+    import json
+    import subprocess
+    import sys
+
+    from cartridges.cartridge import init_from_corpus
+    from cartridges.files import save_cartridge
+    from tests.tiny import tiny_llama
+
+    lm = tiny_llama()
+    doc = tmp_path / "doc.md"
+    doc.write_text("The zebra code is 4417. The lion code is 9021. " * 8)
+    qa = tmp_path / "q.jsonl"
+    qa.write_text("\n".join(json.dumps({"doc": "doc.md", "question": f"What is code {i}?", "options": ["4417", "9021"],
+                                        "answer": i % 2}) for i in range(150)) + "\n")
+    cart = save_cartridge(tmp_path / "c.safetensors", init_from_corpus(lm, doc.read_text(), p=16), lm.fingerprint)
+
+    def argv(store: str) -> list[str]:
+        return [sys.executable, "-m", "cli.main", "eval", "--qa", str(qa), "--cartridge", str(cart), "--corpus",
+                str(doc), "--model", str(tiny_model_dir), "--store", str(tmp_path / store), "--no-peers",
+                "--max-new", "4", "--json"]
+
+    def arms(out: str) -> dict:
+        result = json.loads(out.strip().splitlines()[-1])
+        return {k: (v["accuracy"], round(v["gold_nll"], 6)) for k, v in result["arms"].items()}
+
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    clean = subprocess.run(argv("clean"), capture_output=True, text=True, env=env, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    proc = subprocess.Popen(argv("run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    while not (tmp_path / "run" / "eval").is_dir():  # the eval stage has begun
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.01)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    began = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    seconds = time.monotonic() - began
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and seconds < STOP_LIMIT_S and "Traceback" not in err, err[-3000:]
+    assert last.startswith("stopped by SIGINT during stage eval_arm of `cartridges eval`: finished work is kept;")
+    check_store(tmp_path / "run")
+    again = subprocess.run(argv("run"), capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert arms(again.stdout) == arms(clean.stdout)
+    print(f"eval SIGINT: exit 130 after {seconds:.2f} s: {last}")
