@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -13,6 +14,7 @@ from typing import Any
 from storage.faults import fault_point
 
 TMP_SUFFIX = ".tmp"
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a full disk or quota
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -60,8 +62,10 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         fault_point(f"atomic.write.{target.name}")  # the temp file is whole, the target untouched
         _fsync_file(tmp)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in FULL and exc.filename is None:  # say which file
+            raise OSError(exc.errno, os.strerror(exc.errno), str(target)) from exc
         raise
     _fsync_dir(target.parent)
 
