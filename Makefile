@@ -8,9 +8,10 @@ CORPUS ?= docs/corpus/deflate.md
 P ?=
 
 CONVERSATIONS ?=
-# Self-study (train, fleet, retrain, bench-pipeline) runs in bfloat16: on this CPU it is 1.6-1.9x
-# faster in every part, and its cartridges score within noise of float32 (docs/BENCHMARKS.md).
-DTYPE ?= bfloat16
+# Empty: every command picks the fastest dtype on the machine at hand (`--dtype auto`: bfloat16
+# only where a cached probe measures it faster, float32 on CPUs without native bfloat16).
+DTYPE ?=
+DTYPE_ARG = $(if $(DTYPE),--dtype $(DTYPE))
 Q ?= SELECT seed_type, count(*) AS n FROM conversations GROUP BY 1 ORDER BY 1
 DEMO_CORPUS ?= README.md docs/PIPELINE.md
 DEMO_CARTRIDGE ?= artifacts/demo.safetensors
@@ -19,7 +20,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline bench-spec curve curve-plot clean gpu-check-dry
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-dtype curve curve-plot clean gpu-check-dry
 
 setup: $(STAMP)
 
@@ -40,14 +41,14 @@ model-gemma3: setup
 
 demo: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128
-	$(BIN)/cartridges train --preset demo --dtype $(DTYPE) $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
+	$(BIN)/cartridges train --preset demo $(DTYPE_ARG) $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
 	$(BIN)/cartridges eval --qa docs/eval/builtin.jsonl --cartridge $(DEMO_CARTRIDGE) \
 		$(addprefix --corpus ,$(DEMO_CORPUS)) --no-peers
 	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
 		--question "What does the teacher stage keep for each answer token?" --max-new 64
 
 cartridge: setup
-	$(BIN)/cartridges train --dtype $(DTYPE) --corpus $(CORPUS) $(if $(P),--p $(P)) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
+	$(BIN)/cartridges train $(DTYPE_ARG) --corpus $(CORPUS) $(if $(P),--p $(P)) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
 		--save artifacts/$(notdir $(basename $(CORPUS))).safetensors
 
 # One cartridge per document plus a retrieval index; a rerun updates the same fleet
@@ -56,11 +57,11 @@ DOCS ?= README.md docs/PIPELINE.md docs/corpus/deflate.md docs/eval/raft.md
 FLEET ?= artifacts/fleet
 FLEET_ARGS ?=
 fleet: setup
-	$(BIN)/cartridges fleet --dtype $(DTYPE) --docs $(DOCS) --fleet $(FLEET) $(if $(wildcard $(FLEET)/fleet.json),--resume) $(FLEET_ARGS)
+	$(BIN)/cartridges fleet $(DTYPE_ARG) --docs $(DOCS) --fleet $(FLEET) $(if $(wildcard $(FLEET)/fleet.json),--resume) $(FLEET_ARGS)
 
 # Retrain only the changed documents of a published fleet root and switch `current` to the result.
 retrain: setup
-	$(BIN)/cartridges retrain --dtype $(DTYPE) --docs $(DOCS) --fleet $(FLEET) $(FLEET_ARGS)
+	$(BIN)/cartridges retrain $(DTYPE_ARG) --docs $(DOCS) --fleet $(FLEET) $(FLEET_ARGS)
 
 # A local Prefect server (SQLite under DEPLOY_DIR, 127.0.0.1:PREFECT_PORT) and one process serving
 # cartridge/default, fleet/default and retrain/scheduled, both in the background (docs/OPERATIONS.md).
@@ -115,10 +116,14 @@ clean:
 # (CORPUS: a 2,500-3,000-token document; DTYPE: the pipeline's dtype).
 PIPELINE_CORPUS ?= docs/eval/raft.md
 bench-pipeline: setup
-	$(BIN)/python -m bench.bench_pipeline --corpus $(if $(filter command line,$(origin CORPUS)),$(CORPUS),$(PIPELINE_CORPUS)) --dtype $(DTYPE) --json
+	$(BIN)/python -m bench.bench_pipeline --corpus $(if $(filter command line,$(origin CORPUS)),$(CORPUS),$(PIPELINE_CORPUS)) $(DTYPE_ARG) --json
+
+# bfloat16 against float32 side by side on this machine, and what --dtype auto picks here.
+bench-dtype: setup
+	$(BIN)/python -m bench.bench_dtype --json
 
 bench-spec: setup
-	$(BIN)/python -m bench.bench_spec --dtype $(DTYPE) --json
+	$(BIN)/python -m bench.bench_spec $(DTYPE_ARG) --json
 
 bench-train: setup
 	$(BIN)/python -m bench.bench_train --json
@@ -133,7 +138,7 @@ bench: setup
 # resumable (a rerun skips finished points; CURVE_ARGS passes e.g. --conversations 250 500).
 CURVE_ARGS ?=
 curve: setup
-	$(BIN)/python -m bench.curve run --dtype $(DTYPE) $(CURVE_ARGS) --json
+	$(BIN)/python -m bench.curve run $(DTYPE_ARG) $(CURVE_ARGS) --json
 
 # Today's defaults' curve, from the curve's points and the lever points run at today's defaults.
 curve-plot: setup

@@ -23,6 +23,7 @@ from cartridges.cartridge import init_from_corpus
 from cartridges.equiv import equivalence
 from cartridges.generate import generate
 from cartridges.models import LoadedModel, load_model
+from cartridges.speed import choose_dtype, cpu_capability, cpu_name, model_shape
 from cartridges.targets import teacher_targets
 from cartridges.train import Example, group_backward
 
@@ -77,10 +78,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", default="docs/eval/raft.md")
     ap.add_argument("--widths", default="16,32,64", help="decode batch widths")
     ap.add_argument("--max-new", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
     ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]
     with open(args.corpus, encoding="utf-8") as f:
         text = f.read()
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     speed = {"float32": speeds(f32, ids, text, widths, args.max_new), "bfloat16": speeds(bf16, ids, text, widths, args.max_new)}
     gates = {parts: equivalence(bf16, text, 256, 128, parts) for parts in (1, 2)}
     agreement = teacher_agreement(f32, bf16, ids)
+    auto = choose_dtype(torch.device("cpu"), model_shape(f32.model.config))
+    print(f"CPU {cpu_name()} ({cpu_capability()}), {torch.get_num_threads()} threads; "
+          f"--dtype auto picks {auto.record()['dtype']}: {auto.reason}")
     for key in speed["float32"]:
         a, b = speed["float32"][key], speed["bfloat16"][key]
         print(f"{key:28s} float32 {a:8.1f}  bfloat16 {b:8.1f}  = {b / a:.2f}x")
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                   "greedy_agree", "n", "pass")} for p, g in gates.items()},
         **agreement,
         "threads": torch.get_num_threads(),
+        "cpu": cpu_name(), "cpu_capability": cpu_capability(), "auto": auto.record(),
     }
     print(json.dumps(result))
     return result

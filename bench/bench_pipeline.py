@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="docs/eval/raft.md")
     ap.add_argument("--conversations", type=int, default=70, help="planned conversations (10 spans of 7)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="the pipeline path's dtype")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                    help="the pipeline path's dtype (default: the fastest on this machine)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda; the reference runs on the same device")
     ap.add_argument("--max-a", type=int, default=None, help="bot B's budget (default: the config's)")
     ap.add_argument("--max-q", type=int, default=None, help="bot A's budget (default: the config's)")
@@ -150,10 +151,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     say = print
     log = lambda line: print(line, flush=True)  # noqa: E731
-
-    torch.set_num_threads(args.threads)
-    lm = load_model(None, args.device, DTYPES[args.dtype])
-    ref_lm = lm if args.dtype == "float32" else load_model(None, args.device, torch.float32)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(None, args.device, args.dtype)
+    ref_lm = lm if lm.dtype == torch.float32 else load_model(None, args.device, torch.float32)
     with open(args.corpus, encoding="utf-8") as f:
         text = f.read()
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     train_cfg = TrainConfig()
 
     load_before = os.getloadavg()[0]
-    log(f"pipeline ({args.dtype}): {len(plan)} conversations over {len(ids)} tokens, "
+    log(f"pipeline ({lm.dtype_record()['dtype']}): {len(plan)} conversations over {len(ids)} tokens, "
         f"{chunk_cfg.per_chunk} per chunk")
     ours = run_path(lm, plan, contexts, text, synth, train_cfg, log)
     ref = None
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
         "synthesis_tokens_per_s": round(ours["synthesis_tokens_per_s"], 2),
         "teacher_tokens_per_s": round(ours["teacher_tokens_per_s"], 2),
         "train_tokens_per_s": round(ours["train_tokens_per_s"], 2),
-        "dtype": args.dtype,
+        **lm.dtype_record(),
         "device": str(lm.device),
         "per_chunk": chunk_cfg.per_chunk,
         "gen_batch": synth.gen_batch,

@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new", type=int, default=64, help="answer budget (ICL truncation and decode arms)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--sequential", type=int, default=4, help="requests sent one at a time for the 1-request arm")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (bfloat16 there)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     args = ap.parse_args(argv)
-
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lm = load_model(None, args.device)
     tok = lm.tokenizer
     docs = args.doc or DEFAULT_DOCS

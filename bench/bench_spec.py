@@ -83,19 +83,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--corpus", default="docs/eval/raft.md")
     ap.add_argument("--conversations", type=int, default=70, help="planned conversations for the synthesis arm")
     ap.add_argument("--draft", type=int, default=3, help="draft tokens per step in the drafting arms")
-    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--max-new", type=int, default=200, help="serving: tokens per answer at most")
     ap.add_argument("--max-a", type=int, default=None, help="synthesis: bot B's budget (default: the config's)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
     ap.add_argument("--skip-synthesis", action="store_true")
     ap.add_argument("--json", action="store_true", help="the last line is JSON (always so here)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lm = load_model(None, None, args.dtype)
     with open(args.corpus, encoding="utf-8") as f:
         text = f.read()
     doc = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
-    result: dict = {"dtype": args.dtype, "draft": args.draft, "corpus_tokens": len(doc)}
+    result: dict = {**lm.dtype_record(), "draft": args.draft, "corpus_tokens": len(doc)}
 
     if not args.skip_synthesis:
         plan = plan_chunks([{"doc_id": 0, "token_ids": doc}], ChunkConfig(conversations=args.conversations, heldout=0))

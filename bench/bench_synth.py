@@ -86,13 +86,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=300, help="chunk length in tokens")
     ap.add_argument("--sequential", type=int, default=4, help="streams run one at a time (0 = all)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="each arm runs this often, in rotated order; the fastest run counts")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     args = ap.parse_args(argv)
-
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lm = load_model(None, "cpu")
     model, tok = lm.model, lm.tokenizer
     with open(args.corpus, encoding="utf-8") as f:

@@ -95,14 +95,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--accum", type=int, default=4)
     parser.add_argument("--p", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"),
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="weights and activations (the pipeline's default is bfloat16)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lm = load_model(None, "cpu", args.dtype)
-    result = {"conversations": args.conversations, "threads": args.threads, "dtype": args.dtype}
+    result = {"conversations": args.conversations, "threads": torch.get_num_threads(), **lm.dtype_record()}
     result.update(bench_teacher(lm, args.conversations, args.batch))
     result.update(bench_train(lm, args.conversations, args.accum, args.p))
     print(f"teacher pass: {result['teacher_tokens_per_s']:.0f} supervised tok/s "

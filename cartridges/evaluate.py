@@ -93,7 +93,8 @@ def _seconds(fn: Callable[[], None]) -> float:
 
 
 def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new: int = 48,
-              batch_size: int = 16, likelihood_only: bool = False) -> tuple[list[Scored], float]:
+              batch_size: int = 16, likelihood_only: bool = False,
+              progress: Callable[[int], None] | None = None) -> tuple[list[Scored], float]:
     """Per-question scores and the median time to first token of this arm.
 
     `likelihood_only` skips generated answers and the TTFT measurement (NaN), for
@@ -128,6 +129,8 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
                 s.gold_nll = -sums[q.answer] / len(conts[q.answer])
             else:
                 s.nll = -sums[0] / len(conts[0])
+            if progress:
+                progress(1)
         mc = [i for i in idx if questions[i].multiple_choice]
         if not mc or likelihood_only:
             continue

@@ -20,6 +20,7 @@ import torch
 from cartridges.attention import use_grouped_sdpa
 from cartridges.errors import ModelError
 from cartridges.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
+from cartridges.speed import DtypeChoice, choose_dtype, model_shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,6 +43,7 @@ class LoadedModel:
     tokenizer: object
     name: str
     load_seconds: float = 0.0
+    dtype_reason: str = "set by the caller"
     _fingerprint: dict | None = field(default=None, repr=False)
 
     @property
@@ -51,6 +53,10 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    def dtype_record(self) -> dict:
+        """The dtype the model runs in and why: run summaries and `--json` carry it."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "dtype_reason": self.dtype_reason}
 
     @property
     def fingerprint(self) -> dict:
@@ -100,7 +106,8 @@ def pick_device(device: str | None) -> torch.device:
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """`--dtype` as given: None or 'auto' (bfloat16 on CUDA, float32 on CPU), or a name in DTYPES."""
+    """`--dtype` as given: None or 'auto' (the fastest on this machine, `speed.choose_dtype`), or a
+    name in DTYPES."""
     if name is None or isinstance(name, torch.dtype):
         return name
     if name == "auto":
@@ -116,9 +123,8 @@ def load_model(
     """Load and freeze a model. `spec` is None or a packaged name, a directory, a .gguf file or a hub id."""
     start = time.perf_counter()
     dev = pick_device(device)
-    dtype = parse_dtype(dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    requested = parse_dtype(dtype)
+    dtype = requested or torch.float32  # auto: weights load in float32, the probe then decides
     if spec in (None, "", "default"):
         spec = DEFAULT_MODEL
     if spec in PACKAGED:
@@ -135,10 +141,11 @@ def load_model(
             raise ModelError(f"{spec}: no such model directory")
         name = Path(spec).name or spec
         model, tokenizer = _from_dir_or_hub(spec, dtype)
-    model = model.to(device=dev, dtype=dtype)
+    choice = DtypeChoice(requested, "requested") if requested else choose_dtype(dev, model_shape(model.config))
+    model = model.to(device=dev, dtype=choice.dtype)
     return LoadedModel(
         model=freeze(model, name), tokenizer=tokenizer, name=name,
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, dtype_reason=choice.reason,
     )
 
 

@@ -30,8 +30,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         "(default: smollm2, SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when present)")
     parser.add_argument("--dtype", default=None, choices=("auto", "float32", "bfloat16", "float16"),
-                        help="weights and activations (default auto: bfloat16 on cuda, float32 on cpu); "
-                             "cartridge rows and optimizer state stay float32")
+                        help="weights and activations (default auto: the fastest on this machine; bfloat16 on a "
+                             "cuda device that supports it and on a CPU where a cached probe measures it faster, "
+                             "else float32); cartridge rows and optimizer state stay float32")
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:

@@ -116,12 +116,14 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         summary = run_fleet(Store(args.store), load_model(args.model, args.device, args.dtype), docs, args.fleet, cfg,
                             resume=args.resume, eval_distractors=args.eval_distractors, lock_wait=args.wait)
     else:
+        from flows.ephemeral import server_errors
         from flows.fleet import fleet_flow
 
-        summary = fleet_flow(docs=[str(d) for d in docs], fleet=args.fleet, config=cfg.to_dict(), model=args.model,
-                             device=args.device, dtype=args.dtype, store_root=args.store, resume=args.resume,
-                             eval_distractors=args.eval_distractors, task_runner=args.task_runner,
-                             dask_address=args.dask_address, lock_wait=args.wait)
+        with server_errors():
+            summary = fleet_flow(docs=[str(d) for d in docs], fleet=args.fleet, config=cfg.to_dict(), model=args.model,
+                                 device=args.device, dtype=args.dtype, store_root=args.store, resume=args.resume,
+                                 eval_distractors=args.eval_distractors, task_runner=args.task_runner,
+                                 dask_address=args.dask_address, lock_wait=args.wait)
     for line in summary_lines(summary):
         print(line)
     emit_json(args, summary)
@@ -130,6 +132,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 @command("retrain")
 def cmd_retrain(args: argparse.Namespace) -> int:
+    from flows.ephemeral import server_errors
     from flows.retrain import retrain_flow
 
     docs = [d for group in (args.docs or []) for d in group]
@@ -140,10 +143,11 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     from storage.lock import wait_free
 
     wait_free(args.fleet, "retrain", args.wait)
-    summary = retrain_flow(docs=[str(d) for d in docs], fleet=args.fleet, preset=args.preset, model=args.model,
-                           device=args.device, dtype=args.dtype, store_root=args.store, serve_url=args.serve_url,
-                           serve_pid_file=args.serve_pid_file, task_runner=args.task_runner,
-                           dask_address=args.dask_address, lock_wait=args.wait)
+    with server_errors():
+        summary = retrain_flow(docs=[str(d) for d in docs], fleet=args.fleet, preset=args.preset, model=args.model,
+                               device=args.device, dtype=args.dtype, store_root=args.store, serve_url=args.serve_url,
+                               serve_pid_file=args.serve_pid_file, task_runner=args.task_runner,
+                               dask_address=args.dask_address, lock_wait=args.wait)
     print(summary["message"])
     if summary["trained"]:
         print(f"trained: {', '.join(summary['trained'])} ({summary['rounds_run']} rounds)")

@@ -35,7 +35,7 @@ def cmd_equiv(args: argparse.Namespace) -> int:
     ties = f" ({r['greedy_ties']} of the differences at near-ties within the tolerance)" if r["greedy_ties"] else ""
     print(f"greedy agreement {r['greedy_agree']}/{r['n']}{ties}")
     print(("PASS" if r["pass"] else "FAIL") + ": untrained corpus-init cartridge vs real prefill")
-    r["load_seconds"] = lm.load_seconds
+    r.update(load_seconds=lm.load_seconds, **lm.dtype_record())
     emit_json(args, r)
     return 0 if r["pass"] else 1
 
@@ -50,7 +50,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     print(f"model {lm.name}: {fp['architecture']}, {len(fp['layers'])} layers, KV geometry {sorted(heads)}")
     print(f"loaded in {lm.load_seconds:.1f}s on {lm.device} ({lm.dtype}); context {lm.context_length} tokens")
     print(f"fingerprint config {fp['config_hash']} tokenizer {fp['tokenizer_hash']} weights {fp['weights_hash']}")
-    emit_json(args, {"model": lm.name, "load_seconds": lm.load_seconds, "fingerprint": fp})
+    print(f"dtype {lm.dtype_record()['dtype']}: {lm.dtype_reason}")
+    emit_json(args, {"model": lm.name, "load_seconds": lm.load_seconds, "fingerprint": fp, **lm.dtype_record()})
     return 0
 
 
@@ -159,10 +160,12 @@ def cmd_train(args: argparse.Namespace) -> int:
                                save=args.save, force=tuple(force))
     else:
         from flows.cartridge import cartridge_flow
+        from flows.ephemeral import server_errors
 
-        summary = cartridge_flow(corpus=[str(c) for c in corpus], config=cfg.to_dict(), model=args.model,
-                                 device=args.device, dtype=args.dtype, store_root=args.store, save=args.save, force=force,
-                                 task_runner=args.task_runner, dask_address=args.dask_address)
+        with server_errors():
+            summary = cartridge_flow(corpus=[str(c) for c in corpus], config=cfg.to_dict(), model=args.model,
+                                     device=args.device, dtype=args.dtype, store_root=args.store, save=args.save,
+                                     force=force, task_runner=args.task_runner, dask_address=args.dask_address)
     losses = summary.get("losses") or []
     for i, loss in enumerate(losses):
         print(f"step {i:4d}  loss {loss:.4f}")
@@ -275,7 +278,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(evaluate.markdown_report(result))
     print(f"report: {result['report']}  chart: {result['chart']}"
           + ("  (unchanged: reused the earlier eval)" if result["skipped"] else ""))
-    emit_json(args, result)
+    emit_json(args, {**result, **lm.dtype_record()})
     return 0
 
 

@@ -38,7 +38,7 @@ def cartridge_flow(
     cfg = pipeline_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device, dtype)
-    with fanout(task_runner, dask_address, model, device, dtype) as workers:
+    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"]) as workers:
         summary = run_pipeline(store, lm, corpus, cfg, save=save, force=tuple(force or ()), call=as_task,
                                fanout=workers)
     create_markdown_artifact(markdown=markdown_summary(summary), key="cartridge-summary",

@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     server = Server(lm, selector, config)
     reload_on_sighup(selector)
     auth = "API key required" if config.api_key else "no API key"
-    print(f"serving '{selector.model_id}' ({what} on {lm.name}, {lm.device}) at {server.url}/v1 "
+    print(f"serving '{selector.model_id}' ({what} on {lm.name}, {lm.device}, {lm.dtype_record()['dtype']}: "
+          f"{lm.dtype_reason}) at {server.url}/v1 "
           f"({auth}; max batch {config.max_batch}); SIGHUP or POST /admin/reload reloads the "
           f"{'fleet' if args.fleet else 'cartridges'}", flush=True)
     server.run()

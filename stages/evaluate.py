@@ -40,6 +40,7 @@ from cartridges.models import LoadedModel
 from cartridges.prefix import capture_rows
 from cartridges.qa import Question
 from schemas import EVALS
+from stages.progress import progress
 from storage import StageContext, Store
 
 NAME = "eval"
@@ -258,14 +259,16 @@ def scored_arm(store: Store, lm: LoadedModel, arm: Arm, used: list[Question], ma
     """Score one arm; an arm that does not depend on the cartridges (bare, in-context, full KV,
     peers at the same budget) is an artifact of its own, reused by later evals of other cartridges."""
     if arm.name not in REUSABLE:
-        return (*score_arm(lm, arm, used, max_new=max_new), False)
+        with progress(len(used), f"eval {arm.name}", "question") as bar:
+            return (*score_arm(lm, arm, used, max_new=max_new, progress=bar.update), False)
     key = {k: config[k] for k in ("qa", "docs", "model", "max_new")}
     key.update(arm=arm.name, budget=budget if arm.name in PEERS else None,
                questions=[q.line for q in used])
     out: dict = {}
 
     def work(ctx: StageContext) -> None:
-        scored, ttft = score_arm(lm, arm, used, max_new=max_new)
+        with progress(len(used), f"eval {arm.name}", "question") as bar:
+            scored, ttft = score_arm(lm, arm, used, max_new=max_new, progress=bar.update)
         out.update(scored=scored, ttft=ttft)
         rows = [{f: getattr(s, f) for f in SCORED_FIELDS} for s in scored]
         ctx.write_file(ARM_FILE, json.dumps({"ttft": ttft, "rows": rows}).encode())

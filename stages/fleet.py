@@ -45,6 +45,7 @@ from stages import fleet_data, ingest
 from stages.fanout import Fanout
 from stages.fleet_report import markdown_summary
 from stages.fleet_train import FleetTrainer
+from stages.progress import progress
 from stages.run_report import write_run_report
 from storage import Store, shards
 from storage.errors import StoreError
@@ -247,14 +248,16 @@ def run_fleet(
                 entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
         rows = []
         first = manifest.rounds
-        for r in range(first, first + config.rounds):
-            plan = trainer.plan(r)
-            art = call(fleet_data.round_data, store, lm, plan, docs_by_id[plan.target], config, model_id, run_id)
-            row = call(trainer.train, plan, fleet_data.examples(store, art))
-            rows.append({"run_id": run_id, **row})
-            detail = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}" if row["tokens"]
-                      else "no usable conversations (all filtered): nothing trained")
-            log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  {detail}")
+        with progress(config.rounds, "fleet rounds", "round") as bar:
+            for r in range(first, first + config.rounds):
+                plan = trainer.plan(r)
+                art = call(fleet_data.round_data, store, lm, plan, docs_by_id[plan.target], config, model_id, run_id)
+                row = call(trainer.train, plan, fleet_data.examples(store, art))
+                rows.append({"run_id": run_id, **row})
+                detail = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}" if row["tokens"]
+                          else "no usable conversations (all filtered): nothing trained")
+                log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  {detail}")
+                bar.update(1)
         trainer.checkpoint()
         per_doc = []
         for entry in manifest.documents:
@@ -285,7 +288,7 @@ def run_fleet(
                    "residents": [trainer.entries[d].name for d in trainer.residents],
                    "removed": state["removed"], "documents": per_doc, "losses": [r["loss"] for r in rows],
                    "steps_table": rows, "index_chunks": manifest.index["n_chunks"],
-                   "seconds": time.perf_counter() - started}
+                   "seconds": time.perf_counter() - started, **lm.dtype_record()}
         write_run_report(store, summary, markdown_summary, f"fleet run {run_id}")
         store.catalog.finish_run(run_id, "complete", {k: v for k, v in summary.items() if k != "steps_table"})
         return summary

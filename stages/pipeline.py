@@ -9,19 +9,17 @@ complete in the catalog.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from cartridges.health import health_fields
 from cartridges.models import LoadedModel
 from schemas import HealthConfig, PipelineConfig
 from stages import chunks, facts, ingest, synthesize, teacher, train
 from stages.fanout import Fanout
+from stages.progress import progress
 from stages.report import markdown_summary
 from stages.run_report import write_run_report
 from stages.teacher import usable
@@ -33,53 +31,6 @@ Call = Callable[..., Any]
 
 def _plain(fn: Callable, *args, **kwargs):
     return fn(*args, **kwargs)
-
-
-class _LogBar:
-    """Progress for logs (not a terminal): one line at most every `every` seconds, with the
-    share done and an ETA when the total is known. The rate counts from the first update, so
-    work a resumed run finds done (reported in one burst at the start) does not inflate it."""
-
-    def __init__(self, total: int | None, desc: str, unit: str, every: float = 15.0) -> None:
-        self.total, self.desc, self.unit, self.every = total, desc, unit, every
-        self.n, self.last = 0, time.perf_counter()
-        self.first: tuple[float, int] | None = None
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        now = time.perf_counter()
-        if self.first is None:
-            self.first = (now, self.n)
-        if now - self.last >= self.every:
-            self.last = now
-            print(f"{self.desc}: {self.line(now)}", file=sys.stderr, flush=True)
-
-    def line(self, now: float) -> str:
-        t0, n0 = self.first or (now, self.n)
-        rate = (self.n - n0) / (now - t0) if now > t0 else 0.0
-        speed = f"{rate:.2f} {self.unit}/s" if rate > 0 else ""  # none until a second update
-        if self.total is None:
-            return f"{self.n} {self.unit}" + (f" ({speed})" if speed else "")
-        share = f"{self.n / max(self.total, 1):.0%}"
-        if speed:
-            share += f"; {speed}, about {(self.total - self.n) / rate / 60:.0f} min left"
-        return f"{self.n}/{self.total} {self.unit} ({share})"
-
-    def set_postfix(self, **kwargs) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
-def _bar(total: int | None, desc: str, unit: str):
-    """A progress bar in a terminal, periodic log lines otherwise."""
-    if sys.stderr.isatty():
-        return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
-    return _LogBar(total, desc, unit)
 
 
 def run_pipeline(
@@ -100,15 +51,19 @@ def run_pipeline(
         plan = call(chunks.run, store, docs, lm.tokenizer, config.chunks, force="chunks" in force, run_id=run_id,
                     tokenizer_id=model_id)
         planned = plan.rows
-        with _bar(planned, "self-study", "conv") as bar:
+        with progress(planned, "self-study", "conv") as bar:
             convs = call(synthesize.run, store, lm, docs, plan, config.synth, model_id=model_id,
                          force="synthesize" in force, run_id=run_id, progress=bar.update, fanout=fanout)
         grounding = call(facts.run, store, docs, convs, force="facts" in force, run_id=run_id)
-        with _bar(None, "teacher", "conv") as bar:
+        filtered = bool(convs.config.get("filter", True))
+        columns = ["teacher_ids", "answer_start", "a_ok", "b_ok"]
+        answered = sum(usable(c, filtered) for c in store.table(convs).select(columns).to_pylist())
+        with progress(answered, "teacher", "conv") as bar:
             targets = call(teacher.run, store, lm, convs, config.teacher, model_id=model_id,
                            force="teacher" in force, run_id=run_id, progress=bar.update, fanout=fanout)
-        with _bar(None, "train", "step") as bar:
+        with progress(None, "train", "step") as bar:
             def on_step(row: dict) -> None:
+                bar.total = row["of"]
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
             trained = call(train.run, store, lm, docs, convs, targets, config.train, model_id=model_id,
@@ -116,7 +71,7 @@ def run_pipeline(
         summary = summarize(store, docs, plan, convs, trained, planned, config.health)
         summary["fact_coverage"] = facts.fact_coverage(store.table(grounding).select(["conversations"]).to_pylist())
         arts = (docs, plan, convs, grounding, targets, trained)
-        summary.update(run_id=run_id, seconds=time.perf_counter() - started,
+        summary.update(run_id=run_id, seconds=time.perf_counter() - started, **lm.dtype_record(),
                        skipped=[a.stage for a in arts if a.skipped])
         cartridge = store.dir(trained) / train.CARTRIDGE_FILE
         if save:

@@ -155,7 +155,7 @@ def run_retrain(
                 raise FleetError(f"{root}: fleet root has versions but no valid 'current' link")
             found = changes(documents, read_manifest(live) if live is not None else None)
             summary: dict[str, Any] = {"run_id": run_id, "root": str(root), **found, "trained": [],
-                                       "rounds_run": 0, "losses": []}
+                                       "rounds_run": 0, "losses": [], **lm.dtype_record()}
             if only_changed and live is not None and not (found["new"] or found["changed"] or found["removed"]):
                 summary.update(version=live.name, published=False, notified={},
                                message=f"nothing changed in {len(found['unchanged'])} documents: "

@@ -98,7 +98,7 @@ def train_cartridge(
                "seconds": time.perf_counter() - t0, "heldout_loss": None}
         log.append(row)
         if progress:
-            progress(row)
+            progress({**row, "of": len(groups)})  # the bar's total
         if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < len(groups):
             _checkpoint(ctx_dir, lm, cart, opt, step + 1, log, before, corpus_sha)
         fault_point(f"train.step.{step}")

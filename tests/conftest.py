@@ -3,9 +3,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
-
-torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
@@ -13,7 +10,7 @@ def default_lm():
     """The embedded default model (converted once by `make setup`)."""
     from cartridges.models import load_model
 
-    return load_model(None, "cpu")
+    return load_model(None, "cpu", "float32")  # mechanism tests compare against float32 references
 
 
 @pytest.fixture(scope="session")

@@ -122,16 +122,24 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
 
 
 def _record_bars(monkeypatch) -> tuple[dict, dict]:
-    """The pipeline's log bars by name, and the sizes of the updates each was given."""
+    """The pipeline's progress bars by name, and the sizes of the updates each was given."""
+    import contextlib
+    import io
+
+    from stages.progress import progress
+
     bars, updates = {}, {}
 
+    @contextlib.contextmanager
     def recording_bar(total, desc, unit):
-        bars[desc] = bar = pipeline._LogBar(total, desc, unit, every=float("inf"))
-        calls = updates[desc] = []
-        bar.update = lambda n=1, inner=bar.update: (calls.append(n), inner(n))
-        return bar
+        with progress(total, desc, unit, out=io.StringIO()) as bar:
+            bars[desc] = bar
+            calls = updates[desc] = []
+            inner = bar.update
+            bar.update = lambda n=1: (calls.append(n), inner(n))
+            yield bar
 
-    monkeypatch.setattr(pipeline, "_bar", recording_bar)
+    monkeypatch.setattr(pipeline, "progress", recording_bar)
     return bars, updates
 
 
@@ -149,19 +157,6 @@ def test_resumed_teacher_reports_its_finished_shards_in_one_update(tmp_path, cor
     targets = set(store.table(store.latest("teacher")).column("conv_id").to_pylist())
     assert len(targets) == sum(updates["teacher"]) == 10  # training and held-out conversations
     assert updates["teacher"] == [4, 2, 2, 2]  # shards 0 and 1 found done, then 2, 3 and 4
-
-
-def test_log_bar_shows_share_done_and_a_rate_that_ignores_resumed_work(monkeypatch):
-    times = [0.0, 0.0, 10.0]  # made, first update, second update
-    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: times.pop(0) if len(times) > 1 else times[0])
-    bar = pipeline._LogBar(100, "self-study", "conv", every=float("inf"))
-    bar.update(40)  # shards an earlier run finished, reported at once
-    bar.update(10)  # ten conversations in ten seconds
-    assert bar.line(10.0) == "50/100 conv (50%; 1.00 conv/s, about 1 min left)"
-    assert pipeline._LogBar(None, "train", "step").line(0.0) == "0 step"
-    first = pipeline._LogBar(100, "self-study", "conv")
-    first.update(64)
-    assert first.line(10.0) == "64/100 conv (64%)"  # one update: no rate to give yet
 
 
 @pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}])

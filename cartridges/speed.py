@@ -1,0 +1,127 @@
+"""Speed settings chosen on the machine at hand, never from a constant.
+
+bfloat16 weights run 1.5-3.9x faster than float32 on a CPU with native bfloat16
+(AVX512-BF16, AMX) and about 55x slower on one without (AVX2 only), where torch
+emulates it. So `--dtype auto` takes float32 on CPUs whose capability rules bfloat16
+out, and elsewhere times the model's own matmul shape in both dtypes, once per
+machine (cached under `$XDG_CACHE_HOME/cartridges/`), choosing bfloat16 only when it
+is clearly faster. bfloat16 cartridges score within noise of float32
+(docs/BENCHMARKS.md), so speed alone decides. Thread counts follow the cores this
+process may run on, which torch reads from the CPU affinity.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# bfloat16 must beat float32 by this factor: a tie is not worth the rounding.
+MIN_SPEEDUP = 1.2
+# torch's CPU capabilities whose kernels have no native bfloat16 path.
+NO_BF16_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX", "AVX2", "VSX", "ZVECTOR")
+PROBE_ROWS = 64
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+    def record(self) -> dict:
+        """What a run summary and `--json` carry."""
+        return {"dtype": str(self.dtype).removeprefix("torch."), "dtype_reason": self.reason}
+
+
+def cpu_capability() -> str:
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "cartridges" / "speed.json"
+
+
+def _seconds(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+    torch.mm(a, b)  # warm-up: first calls pay for kernel selection
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe_bf16_speedup(shape: tuple[int, int], reps: int = 5) -> float:
+    """float32 time over bfloat16 time for a [PROBE_ROWS, d] x [d, f] matmul (best of `reps`)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(PROBE_ROWS, shape[0], generator=gen)
+    b = torch.randn(shape[0], shape[1], generator=gen)
+    f32 = _seconds(a, b, reps)
+    bf16 = _seconds(a.bfloat16(), b.bfloat16(), reps)
+    return f32 / max(bf16, 1e-9)
+
+
+def _cached_speedup(shape: tuple[int, int]) -> tuple[float, bool]:
+    """The measured speed-up for this machine, torch and thread count; measured on a miss."""
+    key = f"{cpu_name()} | {cpu_capability()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {shape[0]}x{shape[1]}"
+    path = cache_path()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache, dict) and isinstance(cache.get(key), int | float):
+        return float(cache[key]), True
+    speedup = probe_bf16_speedup(shape)
+    cache = cache if isinstance(cache, dict) else {}
+    cache[key] = round(speedup, 3)
+    try:  # a cache that cannot be written only costs the next run the probe
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return speedup, False
+
+
+def choose_dtype(device: torch.device, shape: tuple[int, int]) -> DtypeChoice:
+    """The fastest dtype for a model whose main matmul is [*, shape[0]] x [shape[0], shape[1]]."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypeChoice(torch.bfloat16, "cuda device with bfloat16 support")
+        return DtypeChoice(torch.float32, "cuda device without bfloat16 support")
+    if device.type != "cpu":
+        return DtypeChoice(torch.float32, f"{device.type} device: float32")
+    capability = cpu_capability()
+    if capability in NO_BF16_CAPABILITIES:
+        return DtypeChoice(torch.float32, f"CPU capability {capability}: no native bfloat16")
+    speedup, cached = _cached_speedup(shape)
+    where = "cached probe" if cached else "probe"
+    measured = f"bfloat16 {speedup:.2f}x float32 on [{PROBE_ROWS},{shape[0]}]x[{shape[0]},{shape[1]}] " \
+               f"({where}, CPU {capability}, {torch.get_num_threads()} threads)"
+    if speedup >= MIN_SPEEDUP:
+        return DtypeChoice(torch.bfloat16, measured)
+    return DtypeChoice(torch.float32, measured + f"; float32 unless bfloat16 is {MIN_SPEEDUP}x faster")
+
+
+def model_shape(config: object) -> tuple[int, int]:
+    """The model's own largest matmul shape (hidden -> MLP width), for the probe."""
+    hidden = int(getattr(config, "hidden_size", 0) or 512)
+    inner = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
+    return hidden, inner
