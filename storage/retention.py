@@ -26,7 +26,7 @@ from pathlib import Path
 
 from storage.catalog import CATALOG_FILE
 from storage.lock import Busy, exclusive
-from storage.store import Store
+from storage.store import Store, with_inputs
 from storage.versions import VERSIONS, current, discard_unpublished, version_dirs
 
 RESULT_STAGES = ("train", "eval", "bench")
@@ -165,13 +165,7 @@ def prune(store: Store, keep: int = KEEP_VERSIONS, roots: Iterable[Path | str] =
         done = [a for a in everything if a.stage == stage and a.status == "complete"]
         if done:
             kept_ids.add(max(done, key=lambda a: (a.finished_at, a.created_at)).id)
-    todo = list(kept_ids)
-    while todo:
-        art = by_id.get(todo.pop())
-        for parent in art.inputs if art else ():
-            if parent not in kept_ids:
-                kept_ids.add(parent)
-                todo.append(parent)
+    kept_ids = with_inputs(kept_ids, by_id)
     removed_arts = [a for a in everything if a.id not in kept_ids]
     out["artifacts"] = [a.id for a in removed_arts]
 

@@ -49,6 +49,18 @@ class StageResult:
         return getattr(self.artifact, name)
 
 
+def with_inputs(kept: set[str], by_id: dict[str, Artifact]) -> set[str]:
+    """`kept` and every artifact that one of them was computed from, transitively."""
+    closed, todo = set(kept), list(kept)
+    while todo:
+        art = by_id.get(todo.pop())
+        for parent in art.inputs if art else ():
+            if parent not in closed:
+                closed.add(parent)
+                todo.append(parent)
+    return closed
+
+
 def _artifact(x: Artifact | StageResult) -> Artifact:
     return x.artifact if isinstance(x, StageResult) else x
 
@@ -211,13 +223,7 @@ class Store:
             done = [a for a in everything if a.stage == stage and a.status == "complete"]
             done.sort(key=lambda a: (a.finished_at, a.created_at), reverse=True)
             kept.update(a.id for a in done[:keep])
-        todo = list(kept)
-        while todo:
-            art = by_id.get(todo.pop())
-            for parent in art.inputs if art else ():
-                if parent not in kept:
-                    kept.add(parent)
-                    todo.append(parent)
+        kept = with_inputs(kept, by_id)
         removed = [a.id for a in everything if a.id not in kept]
         if not dry_run:
             for aid in removed:
