@@ -65,7 +65,7 @@ def run_pipeline(
             def on_step(row: dict) -> None:
                 bar.total = row["of"]
                 bar.update(1)
-                bar.set_postfix(loss=f"{row['loss']:.4f}")
+                bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # drawn with the next line
             trained = call(train.run, store, lm, docs, convs, targets, config.train, model_id=model_id,
                            force="train" in force, run_id=run_id, progress=on_step)
         summary = summarize(store, docs, plan, convs, trained, planned, config.health)

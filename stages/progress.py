@@ -17,8 +17,8 @@ from typing import IO
 from tqdm import tqdm
 
 HEARTBEAT_S = 30.0
-LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} {unit} ({percentage:.0f}%) [{elapsed} elapsed, {remaining} left, {rate_fmt}]"
-LOG_FORMAT_OPEN = "{desc}: {n_fmt} {unit} [{elapsed} elapsed, {rate_fmt}]"
+# One format whether or not the total is known yet (training learns it at its first step: "?").
+LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed} elapsed, {remaining} left, {rate_fmt}{postfix}]"
 
 
 class _Lines:
@@ -47,9 +47,8 @@ def progress(total: int | None, desc: str, unit: str, out: IO[str] | None = None
         with tqdm(total=total, desc=desc, unit=unit, file=out, leave=False) as bar:
             yield bar
         return
-    fmt = LOG_FORMAT if total else LOG_FORMAT_OPEN
     bar = tqdm(total=total, desc=desc, unit=unit, file=_Lines(out), mininterval=heartbeat,
-               bar_format=fmt, dynamic_ncols=False)
+               bar_format=LOG_FORMAT, dynamic_ncols=False)
     stop = threading.Event()
 
     def beat() -> None:

@@ -23,9 +23,9 @@ def test_a_log_gets_whole_lines_with_done_total_rate_and_eta():
         bar.update(6)
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue()
-    assert lines[0].startswith("self-study: 0/10 conv (0%)")
+    assert lines[0].startswith("self-study: 0/10 conv [")
     last = lines[-1]
-    assert last.startswith("self-study: 10/10 conv (100%)")
+    assert last.startswith("self-study: 10/10 conv [")
     assert re.search(r"\d+(\.\d+)?conv/s", last) and "left" in last
 
 
@@ -44,7 +44,19 @@ def test_no_heartbeat_outlives_its_bar():
         bar.update(1)
     written = out.getvalue()
     time.sleep(0.1)
-    assert out.getvalue() == written and written.splitlines()[-1].startswith("train: 1 step")
+    assert out.getvalue() == written and written.splitlines()[-1].startswith("train: 1/? step")
+
+
+def test_updates_between_beats_print_nothing_and_a_total_learned_late_is_shown():
+    out = io.StringIO()
+    with progress(None, "train", "step", out=out, heartbeat=60) as bar:
+        for step in range(50):
+            bar.total = 50
+            bar.set_postfix(loss=f"{1 / (step + 1):.4f}", refresh=False)
+            bar.update(1)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2  # the opening status and the closing one: no line per step
+    assert lines[-1].startswith("train: 50/50 step [") and "loss=0.0200" in lines[-1]
 
 
 def test_a_terminal_gets_one_redrawn_bar():
