@@ -56,7 +56,7 @@ class LoadedModel:
 
     def dtype_record(self) -> dict:
         """The dtype the model runs in and why: run summaries and `--json` carry it."""
-        return {"dtype": str(self.dtype).removeprefix("torch."), "dtype_reason": self.dtype_reason}
+        return DtypeChoice(self.dtype, self.dtype_reason).record()
 
     @property
     def fingerprint(self) -> dict:

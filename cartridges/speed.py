@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from storage.atomic import write_json_atomic
+
 # bfloat16 must beat float32 by this factor: a tie is not worth the rounding.
 MIN_SPEEDUP = 1.2
 # torch's CPU capabilities whose kernels have no native bfloat16 path.
@@ -92,9 +94,7 @@ def _cached_speedup(shape: tuple[int, int]) -> tuple[float, bool]:
     cache[key] = round(speedup, 3)
     try:  # a cache that cannot be written only costs the next run the probe
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        write_json_atomic(path, cache)
     except OSError:
         pass
     return speedup, False
