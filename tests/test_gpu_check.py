@@ -69,7 +69,7 @@ def test_dry_run_passes_without_the_packages_the_accelerator_lacks(tmp_path):
 
 def test_the_stand_in_really_hides_the_missing_packages():
     """Without this the dry run above would prove nothing: the catalog needs DuckDB."""
-    code = "import importlib.util\nprint([m for m in sys.argv[1:] if importlib.util.find_spec(m)])\nimport storage\n"
+    code = "import importlib.util\nprint([m for m in sys.argv[1:] if importlib.util.find_spec(m)])\nimport storage.catalog\n"
     proc = subprocess.run([sys.executable, "-c", bare_prologue() + code, *MISSING], cwd=REPO, env=bare_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip().splitlines()[-1] == "[]"
