@@ -18,14 +18,14 @@ import time
 
 import torch
 
-from cartridges.batch import Stream
-from cartridges.cartridge import init_from_corpus
-from cartridges.equiv import equivalence
-from cartridges.generate import generate
-from cartridges.models import LoadedModel, load_model
-from cartridges.speed import choose_dtype, cpu_capability, cpu_name, model_shape
-from cartridges.targets import teacher_targets
-from cartridges.train import Example, group_backward
+from cartridges.core.batch import Stream
+from cartridges.core.cartridge import init_from_corpus
+from cartridges.core.generate import generate
+from cartridges.core.models import LoadedModel, load_model
+from cartridges.core.speed import choose_dtype, cpu_capability, cpu_name, model_shape
+from cartridges.core.targets import teacher_targets
+from cartridges.core.train import Example, group_backward
+from cartridges.evaluation.equiv import equivalence
 
 
 def timed(fn) -> tuple[object, float]:

@@ -29,11 +29,11 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import stages.synthesize as synthesize
 import stages.teacher as teacher
-from cartridges.batch import Stream
-from cartridges.cartridge import init_cartridge
-from cartridges.generate import Generation
-from cartridges.models import LoadedModel, load_model
-from cartridges.train import group_backward, make_optimizer
+from cartridges.core.batch import Stream
+from cartridges.core.cartridge import init_cartridge
+from cartridges.core.generate import Generation
+from cartridges.core.models import LoadedModel, load_model
+from cartridges.core.train import group_backward, make_optimizer
 from schemas import TABLES, ChunkConfig, SynthConfig, TeacherConfig, TrainConfig
 from stages.chunks import plan_chunks
 from stages.train import load_examples

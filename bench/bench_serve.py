@@ -26,13 +26,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from cartridges.batch import Stream
-from cartridges.cartridge import compose_rows, init_from_corpus
-from cartridges.chat import chat_ids
-from cartridges.corpus import corpus_text
-from cartridges.files import check_fits, load_cartridge, save_cartridge
-from cartridges.generate import generate
-from cartridges.models import load_model
+from cartridges.core.batch import Stream
+from cartridges.core.cartridge import compose_rows, init_from_corpus
+from cartridges.core.chat import chat_ids
+from cartridges.core.corpus import corpus_text
+from cartridges.core.files import check_fits, load_cartridge, save_cartridge
+from cartridges.core.generate import generate
+from cartridges.core.models import load_model
 from server.main import Server
 from server.options import ServeConfig
 from server.selector import CartridgeSelector, render_prompt

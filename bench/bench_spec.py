@@ -21,11 +21,11 @@ from dataclasses import replace
 import torch
 
 import stages.synthesize as synthesize
-from cartridges.batch import Stream
-from cartridges.chat import end_of_turn_ids, without_system
-from cartridges.generate import generate
-from cartridges.models import load_model
-from cartridges.prefix import capture_rows
+from cartridges.core.batch import Stream
+from cartridges.core.chat import end_of_turn_ids, without_system
+from cartridges.core.generate import generate
+from cartridges.core.models import load_model
+from cartridges.core.prefix import capture_rows
 from schemas import ChunkConfig, SynthConfig
 from stages.chunks import plan_chunks
 

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from cartridges.batch import Stream
-from cartridges.chat import chat_ids, end_of_turn_ids
-from cartridges.generate import generate
-from cartridges.models import load_model
+from cartridges.core.batch import Stream
+from cartridges.core.chat import chat_ids, end_of_turn_ids
+from cartridges.core.generate import generate
+from cartridges.core.models import load_model
 
 INSTRUCTION = "\n\nWrite one specific question that this text answers."
 

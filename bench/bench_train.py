@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from cartridges.cartridge import Cartridge
-from cartridges.models import load_model
-from cartridges.prefix import capture_rows
-from cartridges.targets import teacher_targets, truncate_topk
-from cartridges.train import Example, group_backward
+from cartridges.core.cartridge import Cartridge
+from cartridges.core.models import load_model
+from cartridges.core.prefix import capture_rows
+from cartridges.core.targets import teacher_targets, truncate_topk
+from cartridges.core.train import Example, group_backward
 
 
 def shapes(n: int, seed: int = 0) -> list[tuple[int, int]]:

@@ -507,7 +507,7 @@ def _answers(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: 
 def opening_regions(text: str, tokenizer, p: int) -> set[str]:
     """Headings of the sections that begin inside a document's first `p` context tokens: what a
     first-p (corpus) init holds exactly before any training."""
-    from cartridges.chat import system_ids
+    from cartridges.core.chat import system_ids
 
     opening = tokenizer.decode(system_ids(tokenizer, text)[:p])
     return {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#") and line in opening}
@@ -533,7 +533,7 @@ def closure_by_region(record: dict, opening: set[str], questions: Sequence[str])
 
 def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None, qa: Path) -> list[dict]:
     """`closure_by_region` for every selected point."""
-    from cartridges.models import load_model
+    from cartridges.core.models import load_model
 
     tokenizer = load_model("smollm2").tokenizer
     questions = qa.read_text().splitlines()

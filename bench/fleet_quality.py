@@ -25,11 +25,11 @@ from pathlib import Path
 
 from bench.curve import pooled, question_changes
 from bench.measure_fleet import ARMS, arm_dir
-from cartridges.evaluate import Arm, closure, score_arm
+from cartridges.core.models import load_model
+from cartridges.evaluation.evaluate import Arm, closure, score_arm
+from cartridges.evaluation.qa import read_questions
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
-from cartridges.models import load_model
-from cartridges.qa import read_questions
 from schemas.presets import fleet_preset
 from stages.evaluate import Inputs, read_docs, select_questions
 from stages.fleet import run_fleet

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check(args: argparse.Namespace, torch, device, out: Path, log: Log, start: float) -> int:
     from bench.gpu import correct, shapes, speed
-    from cartridges.equiv import equivalence
+    from cartridges.evaluation.equiv import equivalence
 
     sizes = speed.tiny_sizes() if args.tiny else speed.full_sizes()
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]

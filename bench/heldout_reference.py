@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from cartridges.cartridge import Cartridge, init_cartridge
-from cartridges.chat import system_ids
-from cartridges.corpus import document_text
-from cartridges.models import LoadedModel, load_model
-from cartridges.scoring import native_context
-from cartridges.train import mean_loss
+from cartridges.core.cartridge import Cartridge, init_cartridge
+from cartridges.core.chat import system_ids
+from cartridges.core.corpus import document_text
+from cartridges.core.models import LoadedModel, load_model
+from cartridges.core.train import mean_loss
+from cartridges.evaluation.scoring import native_context
 from schemas import ChunkConfig, TrainConfig
 from stages.chunks import heldout_reserve
 from stages.train import corpus_of, load_examples, summary_of

@@ -14,8 +14,8 @@ import json
 import time
 from pathlib import Path
 
+from cartridges.core.models import load_model
 from cartridges.fleet import Fleet
-from cartridges.models import load_model
 from schemas.presets import fleet_preset
 from stages import fleet_data
 from stages.fleet import run_fleet

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import torch
 
-from cartridges.cartridge import Cartridge, init_from_corpus
-from cartridges.evaluate import Arm, closure, document_context, score_arm, summarize_arm
-from cartridges.models import LoadedModel, backbone, cache_keyword, load_model, project
-from cartridges.prefix import Rows, prefix_cache
-from cartridges.qa import Question, read_questions
-from cartridges.scoring import native_context, reply_ids, student_prompt
-from cartridges.targets import truncate_topk
-from cartridges.train import Example, group_backward, make_optimizer, mean_loss
+from cartridges.core.cartridge import Cartridge, init_from_corpus
+from cartridges.core.models import LoadedModel, backbone, cache_keyword, load_model, project
+from cartridges.core.prefix import Rows, prefix_cache
+from cartridges.core.targets import truncate_topk
+from cartridges.core.train import Example, group_backward, make_optimizer, mean_loss
+from cartridges.evaluation.evaluate import Arm, closure, document_context, score_arm, summarize_arm
+from cartridges.evaluation.qa import Question, read_questions
+from cartridges.evaluation.scoring import native_context, reply_ids, student_prompt
 
 ANSWER_RESERVE = 256  # as the eval stage: positions kept free after the document
 

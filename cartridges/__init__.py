@@ -1,14 +1,14 @@
 """Cartridges: trained KV-cache prefixes hosted inside a frozen causal LM."""
 
-from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.errors import (
+from cartridges.core.cartridge import Cartridge, compose_rows
+from cartridges.core.errors import (
     CartridgeError,
     CartridgeFileError,
     CorpusError,
     GeometryError,
     ModelError,
 )
-from cartridges.models import LoadedModel, load_model
+from cartridges.core.models import LoadedModel, load_model
 
 __all__ = [
     "Cartridge",

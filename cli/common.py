@@ -6,7 +6,7 @@ import argparse
 import json
 from collections.abc import Callable
 
-from cartridges.errors import CartridgeError
+from cartridges.core.errors import CartridgeError
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cartridges.errors import CartridgeError
+from cartridges.core.errors import CartridgeError
 from cli.common import (
     add_common,
     add_model_args,
@@ -99,7 +99,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if not docs:
         raise CartridgeError("--docs is required: document files or directories")
     cfg = fleet_config(args)
-    from cartridges.corpus import read_text
+    from cartridges.core.corpus import read_text
 
     for path in fleet_files(docs, cfg.ingest):  # bad input fails here, before any run starts
         read_text(path, cfg.ingest.max_bytes)
@@ -109,7 +109,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
     wait_free(args.fleet, "fleet", args.wait)
     if args.no_prefect:
-        from cartridges.models import load_model
+        from cartridges.core.models import load_model
         from stages.fleet import run_fleet
         from storage import Store
 
@@ -157,9 +157,9 @@ def cmd_retrain(args: argparse.Namespace) -> int:
 
 def ask_fleet(args: argparse.Namespace, question: str) -> int:
     """Answer behind the fleet's selected cartridges, beside the bare answer."""
-    from cartridges.ask import answer, student_prompt
+    from cartridges.core.models import load_model
+    from cartridges.evaluation.ask import answer, student_prompt
     from cartridges.fleet.api import Fleet
-    from cartridges.models import load_model
 
     lm = load_model(args.model, args.device, args.dtype)
     fleet = Fleet.open(args.fleet, lm)

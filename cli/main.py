@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from cartridges.errors import CartridgeError
+from cartridges.core.errors import CartridgeError
 from cli.common import (
     COMMANDS,
     add_common,
@@ -22,9 +22,9 @@ from schemas.configs import HELDOUT_REGIONS, INITS, LR_SCHEDULES, TEACHER_CONTEX
 
 @command("equiv")
 def cmd_equiv(args: argparse.Namespace) -> int:
-    from cartridges.corpus import corpus_text
-    from cartridges.equiv import equivalence
-    from cartridges.models import load_model
+    from cartridges.core.corpus import corpus_text
+    from cartridges.core.models import load_model
+    from cartridges.evaluation.equiv import equivalence
 
     text = corpus_text(args.corpus)
     lm = load_model(args.model, args.device, args.dtype)
@@ -42,7 +42,7 @@ def cmd_equiv(args: argparse.Namespace) -> int:
 
 @command("model")
 def cmd_model(args: argparse.Namespace) -> int:
-    from cartridges.models import load_model
+    from cartridges.core.models import load_model
 
     lm = load_model(args.model, args.device, args.dtype)
     fp = lm.fingerprint
@@ -142,7 +142,7 @@ def require_corpus(args: argparse.Namespace) -> list[str]:
 
 @command("train")
 def cmd_train(args: argparse.Namespace) -> int:
-    from cartridges.corpus import expand, read_text
+    from cartridges.core.corpus import expand, read_text
     from stages.report import summary_lines
 
     corpus = require_corpus(args)
@@ -152,7 +152,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     force = list(STAGES) if args.force_all else (args.force or [])
     check_runner(args)
     if args.no_prefect:
-        from cartridges.models import load_model
+        from cartridges.core.models import load_model
         from stages.pipeline import run_pipeline
         from storage import Store
 
@@ -177,7 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 @command("stage")
 def cmd_stage(args: argparse.Namespace) -> int:
-    from cartridges.models import load_model
+    from cartridges.core.models import load_model
     from stages import chunks, facts, ingest, synthesize, teacher, train
     from storage import Store
 
@@ -241,7 +241,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 @command("ask")
 def cmd_ask(args: argparse.Namespace) -> int:
-    from cartridges.ask import ask_arms
+    from cartridges.evaluation.ask import ask_arms
 
     question = args.question or args.question_text
     if not question:
@@ -259,8 +259,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
 
 @command("eval")
 def cmd_eval(args: argparse.Namespace) -> int:
-    from cartridges.models import load_model
-    from cartridges.qa import read_questions
+    from cartridges.core.models import load_model
+    from cartridges.evaluation.qa import read_questions
     from stages import evaluate
     from storage import Store
 

@@ -28,7 +28,7 @@ def _mib(n: int) -> str:
 
 @command("store")
 def cmd_store(args: argparse.Namespace) -> int:
-    from cartridges.errors import CartridgeError
+    from cartridges.core.errors import CartridgeError
     from storage import Store, format_table
     from storage.retention import prune, usage
 

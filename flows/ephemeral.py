@@ -14,7 +14,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from cartridges.errors import CartridgeError
+from cartridges.core.errors import CartridgeError
 
 TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 # A healthy first start takes 15-40 s on a loaded 2-core machine; the limit only bounds a hang.

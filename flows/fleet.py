@@ -13,7 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NONE
 from prefect.utilities.annotations import quote
 
-from cartridges.models import load_model
+from cartridges.core.models import load_model
 from flows.runners import fanout
 from schemas.presets import fleet_preset
 from stages.fleet import run_fleet

@@ -11,7 +11,7 @@ from functools import partial
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from cartridges.models import load_model
+from cartridges.core.models import load_model
 from flows.fleet import as_task
 from flows.runners import fanout
 from stages.retrain import markdown_summary, notify_reload, retrain_config, run_retrain

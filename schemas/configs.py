@@ -249,14 +249,14 @@ class TeacherConfig(_Config):
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Config):
     p: int = 1024  # docs/QUALITY.md, levers: closure rose with rows (256, 512, 1,024) on each document tried
-    # None: the init's own (cartridges.cartridge.default_frozen): half of p under snapkv, else 1
+    # None: the init's own (cartridges.core.cartridge.default_frozen): half of p under snapkv, else 1
     frozen: int | None = None
     lr: float = 2e-2  # docs/QUALITY.md, levers: lowest held-out loss of 2e-3, 2e-2 and 5e-2
     accum: int = 4
     epochs: int = 2  # at 1,000 conversations 4 epochs gave the same gold-NLL closure in twice the time
     schedule: str = added("constant")  # or "cosine": linear warm-up, then cosine decay to 0 at the last step
     warmup: float = added(0.0)  # share of all steps spent warming up linearly from 0 (any schedule)
-    init: str = "auto"  # snapkv where the model allows it, else corpus (cartridges.cartridge.resolve_init)
+    init: str = "auto"  # snapkv where the model allows it, else corpus (cartridges.core.cartridge.resolve_init)
     pack: bool = True
     checkpoint: bool = False
     draft_ref: bool = added(False)  # embed the corpus token ids in the file: serve --spec drafts from them

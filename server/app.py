@@ -20,8 +20,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from cartridges.errors import CartridgeError
-from cartridges.models import LoadedModel
+from cartridges.core.errors import CartridgeError
+from cartridges.core.models import LoadedModel
 from server.engine import Accepted, Engine, Job
 from server.errors import ApiError, internal, too_large, unauthorized
 from server.options import ServeConfig

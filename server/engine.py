@@ -19,10 +19,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cartridges.batch import Batch, Running, Stream
-from cartridges.chat import end_of_turn_ids
-from cartridges.models import LoadedModel
-from cartridges.prefix import prefix_length
+from cartridges.core.batch import Batch, Running, Stream
+from cartridges.core.chat import end_of_turn_ids
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import prefix_length
 from server.errors import ApiError, bad_request, internal, overloaded
 from server.options import ServeConfig
 from server.schema import ChatParams

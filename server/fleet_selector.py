@@ -27,11 +27,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cartridges.errors import CartridgeError
+from cartridges.core.errors import CartridgeError
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import Rows, prefix_length
+from cartridges.core.sharing import common_length
 from cartridges.fleet.api import Fleet
-from cartridges.models import LoadedModel
-from cartridges.prefix import Rows, prefix_length
-from cartridges.sharing import common_length
 from server.errors import bad_request, internal
 from server.selector import Selection, render_prompt
 

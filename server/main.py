@@ -17,8 +17,8 @@ from pathlib import Path
 
 import uvicorn
 
-from cartridges.errors import CartridgeError, CartridgeFileError, FleetError
-from cartridges.models import LoadedModel, load_model
+from cartridges.core.errors import CartridgeError, CartridgeFileError, FleetError
+from cartridges.core.models import LoadedModel, load_model
 from server.app import create_app
 from server.engine import Engine
 from server.options import ServeConfig, serve_config

@@ -56,7 +56,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
-    from cartridges.errors import CartridgeError
+    from cartridges.core.errors import CartridgeError
 
     if bool(args.cartridge) == bool(args.fleet):
         raise CartridgeError("serve needs either --cartridge FILE (repeatable) or --fleet DIR"

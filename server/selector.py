@@ -22,11 +22,11 @@ from typing import Protocol
 
 import torch
 
-from cartridges.cartridge import compose_rows
-from cartridges.chat import without_system
-from cartridges.files import check_fits, load_cartridge
-from cartridges.models import LoadedModel
-from cartridges.prefix import Rows, prefix_length
+from cartridges.core.cartridge import compose_rows
+from cartridges.core.chat import without_system
+from cartridges.core.files import check_fits, load_cartridge
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import Rows, prefix_length
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ from collections.abc import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cartridges import spans
-from cartridges.errors import CorpusError
+from cartridges.core.errors import CorpusError
+from cartridges.selfstudy import spans
 from schemas import CHUNKS, ChunkConfig, ConfigError
 from stages.ingest import tokenizer_identity
 from storage import Artifact, StageContext, StageResult, Store, StoreError, done_shards

@@ -22,11 +22,14 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.compress import first_rows, knorm_rows, rotary_of, snapkv_rows
-from cartridges.corpus import expand, read_text
-from cartridges.errors import CorpusError
-from cartridges.evaluate import (
+from cartridges.core.cartridge import Cartridge, compose_rows
+from cartridges.core.compress import first_rows, knorm_rows, rotary_of, snapkv_rows
+from cartridges.core.corpus import expand, read_text
+from cartridges.core.errors import CorpusError
+from cartridges.core.files import check_fits, load_cartridge, save_cartridge
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import capture_rows
+from cartridges.evaluation.evaluate import (
     Arm,
     Scored,
     cached,
@@ -35,10 +38,7 @@ from cartridges.evaluate import (
     score_arm,
     summarize_arm,
 )
-from cartridges.files import check_fits, load_cartridge, save_cartridge
-from cartridges.models import LoadedModel
-from cartridges.prefix import capture_rows
-from cartridges.qa import Question
+from cartridges.evaluation.qa import Question
 from schemas import EVALS
 from stages.progress import progress
 from storage import StageContext, Store

@@ -1,6 +1,6 @@
 """Facts: the `sentences` table, each document sentence with the training conversations grounded in it.
 
-The rule is `cartridges.facts` (word overlap between a sentence and a conversation's
+The rule is `cartridges.selfstudy.facts` (word overlap between a sentence and a conversation's
 question and answer). Only conversations used in training count: the `train` split,
 with an answer, and past the degenerate-message filter when it was on (as the
 teacher stage selects them). `cartridges sql "select text from sentences where
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from cartridges import facts
+from cartridges.selfstudy import facts
 from schemas import SENTENCES
 from stages.teacher import usable
 from storage import Artifact, StageContext, StageResult, Store

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cartridges.models import LoadedModel, load_model
+from cartridges.core.models import LoadedModel, load_model
 
 Map = Callable[[Callable[[Any], Any], list[Any]], list[Any]]
 

@@ -23,8 +23,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from cartridges.corpus import check_inside
-from cartridges.errors import CorpusError, FleetError
+from cartridges.core.corpus import check_inside
+from cartridges.core.errors import CorpusError, FleetError
+from cartridges.core.health import training_health
+from cartridges.core.models import LoadedModel
 from cartridges.fleet.budget import initial_residents
 from cartridges.fleet.index import build_index, contract
 from cartridges.fleet.manifest import (
@@ -37,9 +39,7 @@ from cartridges.fleet.manifest import (
     write_manifest,
 )
 from cartridges.fleet.residents import new_resident, save_resident
-from cartridges.health import training_health
-from cartridges.models import LoadedModel
-from cartridges.spans import keyed_seed
+from cartridges.selfstudy.spans import keyed_seed
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
 from stages import fleet_data, ingest
 from stages.fanout import Fanout

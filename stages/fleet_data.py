@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from cartridges.core.models import LoadedModel
+from cartridges.core.train import Example
 from cartridges.fleet.plan import Chunk, RoundPlan, heldout_chunks
-from cartridges.models import LoadedModel
-from cartridges.train import Example
 from schemas import TABLES, FleetConfig, SynthConfig, TeacherConfig, validate_table
 from stages.synthesize import chunk_context, document_contexts, synthesize_group
 from stages.teacher import target_rows, usable

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cartridges.core.models import LoadedModel
+from cartridges.core.train import Example, mean_loss
 from cartridges.fleet.budget import is_rotation_round, rotation
 from cartridges.fleet.manifest import Manifest, prune, write_manifest
 from cartridges.fleet.plan import RoundPlan, plan_round
 from cartridges.fleet.residents import Resident, load_resident, save_resident, train_group
-from cartridges.models import LoadedModel
-from cartridges.train import Example, mean_loss
 from schemas import FleetConfig
 from storage.faults import fault_point
 

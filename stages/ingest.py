@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
-from cartridges.corpus import expand, read_text
-from cartridges.errors import CorpusError
+from cartridges.core.corpus import expand, read_text
+from cartridges.core.errors import CorpusError
 from schemas import DOCUMENTS, IngestConfig
 from storage import StageContext, StageResult, Store, StoreError, done_shards
 from storage.faults import fault_point

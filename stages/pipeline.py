@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cartridges.health import health_fields
-from cartridges.models import LoadedModel
+from cartridges.core.health import health_fields
+from cartridges.core.models import LoadedModel
 from schemas import HealthConfig, PipelineConfig
 from stages import chunks, facts, ingest, synthesize, teacher, train
 from stages.fanout import Fanout

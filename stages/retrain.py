@@ -28,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cartridges.errors import FleetError
+from cartridges.core.errors import FleetError
+from cartridges.core.models import LoadedModel
 from cartridges.fleet.manifest import MANIFEST, Manifest, read_manifest
-from cartridges.models import LoadedModel
 from schemas import FleetConfig
 from schemas.presets import fleet_preset
 from stages import ingest

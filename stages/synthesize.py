@@ -21,13 +21,14 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from cartridges.batch import Stream
-from cartridges.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
-from cartridges.errors import CartridgeError
-from cartridges.facts import focus_sentence
-from cartridges.generate import LOOP_SPAN, generate, loop_start
-from cartridges.models import LoadedModel
-from cartridges.seeds import (
+from cartridges.core.batch import Stream
+from cartridges.core.chat import chat_ids, end_of_turn_ids, strip_think, system_ids
+from cartridges.core.errors import CartridgeError
+from cartridges.core.generate import LOOP_SPAN, generate, loop_start
+from cartridges.core.models import LoadedModel
+from cartridges.core.sharing import SHARE_MIN
+from cartridges.selfstudy.facts import focus_sentence
+from cartridges.selfstudy.seeds import (
     SEEDS,
     bot_a_prompt,
     clean_question,
@@ -35,8 +36,7 @@ from cartridges.seeds import (
     score_message,
     stops_at_question,
 )
-from cartridges.sharing import SHARE_MIN
-from cartridges.spans import keyed_seed
+from cartridges.selfstudy.spans import keyed_seed
 from schemas import TABLES, SynthConfig, validate_table
 from stages.fanout import Fanout, report_resumed_shards
 from storage import StageContext, Store

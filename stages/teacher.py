@@ -17,9 +17,9 @@ from collections.abc import Callable
 import pyarrow as pa
 import torch
 
-from cartridges.models import LoadedModel
-from cartridges.sharing import SHARE_MIN
-from cartridges.targets import cut_at_mass, teacher_targets
+from cartridges.core.models import LoadedModel
+from cartridges.core.sharing import SHARE_MIN
+from cartridges.core.targets import cut_at_mass, teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
 from stages.fanout import Fanout, report_resumed_shards
 from storage import StageContext, Store

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from cartridges.cartridge import init_cartridge
-from cartridges.corpus import document_text
-from cartridges.errors import CartridgeError
-from cartridges.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
-from cartridges.models import LoadedModel
-from cartridges.train import Example, group_backward, lr_at, make_optimizer, mean_loss
+from cartridges.core.cartridge import init_cartridge
+from cartridges.core.corpus import document_text
+from cartridges.core.errors import CartridgeError
+from cartridges.core.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
+from cartridges.core.models import LoadedModel
+from cartridges.core.train import Example, group_backward, lr_at, make_optimizer, mean_loss
 from schemas import TABLES, TrainConfig, validate_table
 from storage import StageContext, Store
 from storage.atomic import write_json_atomic

@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="session")
 def default_lm():
     """The embedded default model (converted once by `make setup`)."""
-    from cartridges.models import load_model
+    from cartridges.core.models import load_model
 
     return load_model(None, "cpu", "float32")  # mechanism tests compare against float32 references
 

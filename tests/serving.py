@@ -6,11 +6,11 @@ from pathlib import Path
 
 import httpx
 
-from cartridges.batch import Stream
-from cartridges.cartridge import init_from_corpus
-from cartridges.files import save_cartridge
-from cartridges.generate import generate
-from cartridges.models import LoadedModel
+from cartridges.core.batch import Stream
+from cartridges.core.cartridge import init_from_corpus
+from cartridges.core.files import save_cartridge
+from cartridges.core.generate import generate
+from cartridges.core.models import LoadedModel
 from server.main import Server
 from server.options import ServeConfig
 from server.selector import CartridgeSelector, render_prompt

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.attention import FOLD_MAX, grouped_sdpa
-from cartridges.prefix import additive_mask
+from cartridges.core.attention import FOLD_MAX, grouped_sdpa
+from cartridges.core.prefix import additive_mask
 from tests.tiny import tiny_llama
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.batch import Batch, Stream
-from cartridges.generate import generate
-from cartridges.prefix import capture_rows
+from cartridges.core.batch import Batch, Stream
+from cartridges.core.generate import generate
+from cartridges.core.prefix import capture_rows
 from tests.tiny import TINY, tiny_llama
 
 

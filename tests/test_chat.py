@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges import ask, scoring
-from cartridges.chat import chat_ids, system_ids
+from cartridges.core.chat import chat_ids, system_ids
+from cartridges.evaluation import ask, scoring
 from schemas import SynthConfig
 from server.selector import render_prompt
 from stages.synthesize import synthesize_group
@@ -84,8 +84,8 @@ def test_a_template_that_drops_system_messages_is_refused():
 
 
 def test_a_base_model_without_a_template_is_refused_in_one_line():
-    from cartridges.cartridge import init_from_corpus
-    from cartridges.errors import ModelError
+    from cartridges.core.cartridge import init_from_corpus
+    from cartridges.core.errors import ModelError
 
     lm = tiny_llama()
     lm.tokenizer.chat_template = None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.cartridge import init_cartridge, init_from_corpus, init_from_snapkv
-from cartridges.chat import system_ids
-from cartridges.compress import (
+from cartridges.core.cartridge import init_cartridge, init_from_corpus, init_from_snapkv
+from cartridges.core.chat import system_ids
+from cartridges.core.compress import (
     first_rows,
     knorm_keep,
     knorm_rows,
@@ -15,8 +15,8 @@ from cartridges.compress import (
     rotary_of,
     snapkv_keep,
 )
-from cartridges.errors import CorpusError
-from cartridges.prefix import capture_rows
+from cartridges.core.errors import CorpusError
+from cartridges.core.prefix import capture_rows
 from tests.tiny import tiny_llama
 
 
@@ -130,7 +130,7 @@ def test_snapkv_init_refuses_a_corpus_shorter_than_the_cartridge():
 
 
 def test_snapkv_init_refuses_a_model_whose_layers_rotate_differently():
-    from cartridges.errors import ModelError
+    from cartridges.core.errors import ModelError
     from tests.tiny import tiny_gemma3
 
     lm = tiny_gemma3()

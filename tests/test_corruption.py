@@ -17,11 +17,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from cartridges.errors import CartridgeError, CartridgeFileError, FleetError
-from cartridges.files import check_fits, load_cartridge, load_optimizer, save_optimizer
+from cartridges.core.errors import CartridgeError, CartridgeFileError, FleetError
+from cartridges.core.files import check_fits, load_cartridge, load_optimizer, save_optimizer
+from cartridges.core.train import make_optimizer
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
-from cartridges.train import make_optimizer
 from schemas import TABLES
 from schemas.presets import fleet_preset
 from stages.fleet import run_fleet

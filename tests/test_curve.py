@@ -346,7 +346,7 @@ def test_compare_over_documents_averages_each_documents_closure_change(tmp_path,
 
 
 def test_regions_split_a_points_closure_at_the_first_p_tokens(tmp_path):
-    from cartridges.chat import system_ids
+    from cartridges.core.chat import system_ids
     from tests.tiny import tiny_llama
 
     tokenizer = tiny_llama().tokenizer

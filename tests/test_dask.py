@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cartridges.models import load_model
+from cartridges.core.models import load_model
 from schemas.presets import fleet_preset, preset
 from stages.fleet import run_fleet
 from stages.pipeline import run_pipeline

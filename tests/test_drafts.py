@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.batch import Batch, Stream
-from cartridges.drafts import MIN_ACCEPT, REPROBE, WINDOW, Drafter
-from cartridges.generate import generate
+from cartridges.core.batch import Batch, Stream
+from cartridges.core.drafts import MIN_ACCEPT, REPROBE, WINDOW, Drafter
+from cartridges.core.generate import generate
 from tests.tiny import tiny_gemma3, tiny_llama
 
 

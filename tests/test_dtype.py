@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.cartridge import init_from_corpus
-from cartridges.errors import ModelError
-from cartridges.models import LoadedModel, parse_dtype, wrap
-from cartridges.train import group_backward, make_optimizer
+from cartridges.core.cartridge import init_from_corpus
+from cartridges.core.errors import ModelError
+from cartridges.core.models import LoadedModel, parse_dtype, wrap
+from cartridges.core.train import group_backward, make_optimizer
 from tests.test_teacher_train import random_examples
 from tests.tiny import tiny_llama
 
@@ -55,7 +55,7 @@ def test_dtype_names():
 
 
 def test_bf16_gate_passes_and_excuses_only_near_ties(monkeypatch):
-    from cartridges import equiv
+    from cartridges.evaluation import equiv
 
     lm = as_bf16(tiny_llama())
     text = "".join(chr(97 + (i * 7) % 26) for i in range(200))

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.cartridge import Cartridge, compose_rows, init_from_corpus
-from cartridges.chat import system_ids
-from cartridges.equiv import cut
-from cartridges.errors import CorpusError
-from cartridges.loss import Targets, sparse_distill, student_loss
-from cartridges.prefix import capture_rows, forward_behind
+from cartridges.core.cartridge import Cartridge, compose_rows, init_from_corpus
+from cartridges.core.chat import system_ids
+from cartridges.core.errors import CorpusError
+from cartridges.core.loss import Targets, sparse_distill, student_loss
+from cartridges.core.prefix import capture_rows, forward_behind
+from cartridges.evaluation.equiv import cut
 from tests.tiny import TINY, VOCAB, WINDOW, tiny_llama
 
 SLIDING = ("gemma3", "mistral", "phi3")

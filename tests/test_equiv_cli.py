@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cartridges.equiv import equivalence
+from cartridges.evaluation.equiv import equivalence
 from cli.main import main
 
 CORPUS = Path(__file__).resolve().parent.parent / "docs" / "corpus" / "deflate.md"

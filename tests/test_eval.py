@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from cartridges.cartridge import init_from_corpus
-from cartridges.chat import system_ids
-from cartridges.evaluate import Arm, Scored, closure, score_arm, summarize_arm
-from cartridges.files import save_cartridge
-from cartridges.qa import QAError, Question, read_questions
-from cartridges.scoring import (
+from cartridges.core.cartridge import init_from_corpus
+from cartridges.core.chat import system_ids
+from cartridges.core.files import save_cartridge
+from cartridges.evaluation.evaluate import Arm, Scored, closure, score_arm, summarize_arm
+from cartridges.evaluation.qa import QAError, Question, read_questions
+from cartridges.evaluation.scoring import (
     bootstrap_ci,
     choose_option,
     closure_ci,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cartridges.facts import content_words, grounded, grounding_counts, needed, sentences
+from cartridges.selfstudy.facts import content_words, grounded, grounding_counts, needed, sentences
 from stages.facts import fact_coverage, sentence_rows
 
 DOC = """# Raft elections
@@ -81,7 +81,7 @@ def test_sentence_rows_count_only_training_conversations_of_the_same_document():
 
 
 def test_focus_sentences_skip_cut_ends_and_rotate_over_whole_sentences():
-    from cartridges.facts import focus_sentence
+    from cartridges.selfstudy.facts import focus_sentence
 
     text = "ing cut at the start. One whole fact here. A second whole fact. Third whole fact there. Cut at the e"
     whole = ["One whole fact here.", "A second whole fact.", "Third whole fact there."]

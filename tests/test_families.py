@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.chat import system_ids
-from cartridges.equiv import equivalence
+from cartridges.core.chat import system_ids
+from cartridges.evaluation.equiv import equivalence
 from server.selector import render_prompt
 from tests.serving import chat, greedy, start, write_cartridge
 from tests.tiny import TINY, WINDOW

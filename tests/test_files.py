@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.cartridge import Cartridge
-from cartridges.errors import CartridgeFileError, GeometryError
-from cartridges.files import check_fits, load_cartridge, save_cartridge
-from cartridges.prefix import capture_rows
+from cartridges.core.cartridge import Cartridge
+from cartridges.core.errors import CartridgeFileError, GeometryError
+from cartridges.core.files import check_fits, load_cartridge, save_cartridge
+from cartridges.core.prefix import capture_rows
 from tests.tiny import tiny_llama, tiny_qwen3
 
 

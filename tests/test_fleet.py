@@ -11,12 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cartridges.core.train import Example
 from cartridges.fleet.budget import initial_residents, rotation, warmup_lr
 from cartridges.fleet.index import build_index, center, embed_text
 from cartridges.fleet.manifest import DocEntry
 from cartridges.fleet.plan import plan_round
 from cartridges.fleet.residents import load_resident, new_resident, save_resident, train_group
-from cartridges.train import Example
 from schemas import FleetConfig
 from tests.tiny import tiny_llama
 
@@ -167,8 +167,8 @@ def test_every_coloaded_cartridge_steps_and_sinks_stay_frozen():
 
 
 def test_gradients_reach_every_coloaded_part_as_through_one_concatenated_prefix():
-    from cartridges.loss import student_loss
-    from cartridges.train import group_backward, packed_batch
+    from cartridges.core.loss import student_loss
+    from cartridges.core.train import group_backward, packed_batch
 
     lm = tiny_llama()
     parts = [_resident(lm, d)[1].cart for d in range(3)]

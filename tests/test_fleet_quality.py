@@ -8,11 +8,11 @@ import json
 import pytest
 
 from bench.fleet_quality import change, evaluate
-from cartridges.cartridge import Cartridge
-from cartridges.evaluate import score_arm
-from cartridges.files import save_cartridge
+from cartridges.core.cartridge import Cartridge
+from cartridges.core.files import save_cartridge
+from cartridges.evaluation.evaluate import score_arm
+from cartridges.evaluation.qa import read_questions
 from cartridges.fleet import Fleet
-from cartridges.qa import read_questions
 from schemas.presets import fleet_preset
 from stages import evaluate as eval_stage
 from stages.fleet import run_fleet

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from cartridges.errors import FleetError
+from cartridges.core.errors import FleetError
+from cartridges.core.health import training_health
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
-from cartridges.health import training_health
 from schemas.presets import fleet_preset
 from stages.fleet import run_fleet
 from storage import Store, query

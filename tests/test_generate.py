@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from cartridges.batch import Stream
-from cartridges.chat import chat_ids
-from cartridges.generate import generate
-from cartridges.prefix import capture_rows
+from cartridges.core.batch import Stream
+from cartridges.core.chat import chat_ids
+from cartridges.core.generate import generate
+from cartridges.core.prefix import capture_rows
 from tests.tiny import TINY, tiny_llama, tiny_qwen3
 
 LENGTHS = (3, 11, 6, 17, 1)

@@ -28,7 +28,7 @@ from bench.gpu.dry_run import (
     wheel_bytes,
 )
 from bench.gpu.shapes import MODELS
-from cartridges import prefix
+from cartridges.core import prefix
 
 REPO = Path(__file__).resolve().parent.parent
 TEXT = (REPO / "docs" / "corpus" / "deflate.md").read_text()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cartridges.health import health_fields, training_health
+from cartridges.core.health import health_fields, training_health
 
 GOOD = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5, 1.5, 1.4, 1.4, 1.3]
 

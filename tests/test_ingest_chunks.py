@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cartridges import spans
-from cartridges.errors import CorpusError
+from cartridges.core.errors import CorpusError
+from cartridges.selfstudy import spans
 from schemas import SEED_TYPES, ChunkConfig, IngestConfig
 from stages import chunks, ingest
 from stages.chunks import HELDOUT_ID_BASE, heldout_reserve, plan_chunks, plan_spans, train_coverage

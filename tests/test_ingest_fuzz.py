@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cartridges.errors import CorpusError
+from cartridges.core.errors import CorpusError
 from schemas import IngestConfig
 from stages import ingest
 from stages.fleet import fleet_files

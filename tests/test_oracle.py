@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from bench.oracle import oracle_examples, run, train_oracle
-from cartridges.cartridge import init_from_corpus
-from cartridges.chat import system_ids
-from cartridges.qa import Question
-from cartridges.train import mean_loss
+from cartridges.core.cartridge import init_from_corpus
+from cartridges.core.chat import system_ids
+from cartridges.core.train import mean_loss
+from cartridges.evaluation.qa import Question
 from tests.tiny import tiny_llama
 
 DOC = "The zebra code is 4417. The lion code is 9021. The otter code is 3350. " * 4

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cartridges import packaged
-from cartridges.equiv import equivalence
-from cartridges.errors import ModelError
-from cartridges.models import load_model
+from cartridges.core import packaged
+from cartridges.core.errors import ModelError
+from cartridges.core.models import load_model
+from cartridges.evaluation.equiv import equivalence
 
 CORPUS = Path(__file__).resolve().parent.parent / "docs" / "corpus" / "deflate.md"
 
@@ -51,7 +51,7 @@ def test_gemma3_270m_gate_on_a_real_document(gemma, parts):
 
 @pytest.mark.slow
 def test_gemma3_270m_is_a_base_model_refused_for_self_study(gemma):
-    from cartridges.cartridge import init_from_corpus
+    from cartridges.core.cartridge import init_from_corpus
 
     with pytest.raises(ModelError, match="no chat template"):
         init_from_corpus(gemma, CORPUS.read_text(), p=64)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cartridges.chat import end_of_turn_ids
+from cartridges.core.chat import end_of_turn_ids
 from schemas.presets import preset
 from stages import pipeline
 from stages.pipeline import run_pipeline
@@ -46,7 +46,7 @@ def test_pipeline_trains_and_an_unchanged_rerun_skips_every_stage(tmp_path, corp
 
 
 def test_sentences_table_lists_each_sentence_with_its_grounded_conversations(tmp_path, corpus):
-    from cartridges.facts import sentences
+    from cartridges.selfstudy.facts import sentences
 
     lm, store = tiny_llama(), Store(tmp_path / "store")
     summary = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
@@ -163,8 +163,8 @@ def test_resumed_teacher_reports_its_finished_shards_in_one_update(tmp_path, cor
 def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, corpus, monkeypatch, schedule):
     import torch
 
-    from cartridges.files import load_cartridge
-    from cartridges.train import lr_at
+    from cartridges.core.files import load_cartridge
+    from cartridges.core.train import lr_at
 
     lm = tiny_llama()
     clean = Store(tmp_path / "clean")
@@ -205,7 +205,7 @@ def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpu
 
 
 def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpus, tiny_model_dir, capsys):
-    from cartridges.models import load_model
+    from cartridges.core.models import load_model
     from cli.main import main
 
     store = tmp_path / "store"
@@ -241,7 +241,7 @@ def test_train_with_bad_corpus_is_one_line_and_starts_no_run(tmp_path, tiny_mode
 def test_teacher_reads_bot_bs_kept_targets_and_draft_ref_embeds_the_corpus(tmp_path, corpus):
     import pyarrow as pa
 
-    from cartridges.files import load_cartridge
+    from cartridges.core.files import load_cartridge
     from schemas import TABLES
     from stages.teacher import target_rows
 

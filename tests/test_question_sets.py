@@ -1,7 +1,7 @@
 """The project's question set: enough questions per document, balanced answers, real regions.
 
 Read straight from the JSON lines (not through the loader), so the file's
-invariants are checked independently of what `cartridges.qa` accepts; the loader
+invariants are checked independently of what `cartridges.evaluation.qa` accepts; the loader
 is then checked to read every line with the same fields.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cartridges.qa import read_questions
+from cartridges.evaluation.qa import read_questions
 
 EVAL = Path(__file__).resolve().parent.parent / "docs" / "eval"
 QUESTIONS = EVAL / "questions.jsonl"

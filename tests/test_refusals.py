@@ -13,8 +13,8 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from cartridges.errors import ModelError
-from cartridges.models import load_model, wrap
+from cartridges.core.errors import ModelError
+from cartridges.core.models import load_model, wrap
 from tests.tiny import TINY, tiny_gemma3, tiny_tokenizer
 
 

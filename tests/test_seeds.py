@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cartridges.seeds import (
+from cartridges.selfstudy.seeds import (
     SEEDS,
     Seed,
     bot_a_prompt,
@@ -119,7 +119,7 @@ def test_score_answer():
 
 
 def test_a_focus_sentence_is_quoted_before_the_instruction(tok):
-    from cartridges.seeds import FOCUS_LEAD
+    from cartridges.selfstudy.seeds import FOCUS_LEAD
 
     focus = "Huffman codes for literals."
     text = tok.decode(bot_a_prompt(tok, CHUNK, "question", focus))

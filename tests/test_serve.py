@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
-from cartridges.batch import Stream
-from cartridges.generate import generate
+from cartridges.core.batch import Stream
+from cartridges.core.generate import generate
 from server.main import reload_on_sighup
 from server.selector import render_prompt
 from tests.serving import TEXTS, chat, greedy, reference, start, write_cartridge

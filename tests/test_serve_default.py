@@ -8,8 +8,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from cartridges.batch import Stream
-from cartridges.generate import generate
+from cartridges.core.batch import Stream
+from cartridges.core.generate import generate
 from server.selector import render_prompt
 from tests.serving import start, write_cartridge
 

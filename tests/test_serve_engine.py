@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from cartridges.batch import Stream
-from cartridges.generate import generate
-from cartridges.prefix import capture_rows
+from cartridges.core.batch import Stream
+from cartridges.core.generate import generate
+from cartridges.core.prefix import capture_rows
 from server.engine import Accepted, Engine
 from server.errors import ApiError
 from server.options import ServeConfig

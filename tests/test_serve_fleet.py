@@ -10,10 +10,10 @@ import openai
 import pytest
 import torch
 
-from cartridges.batch import Stream
-from cartridges.errors import FleetError
+from cartridges.core.batch import Stream
+from cartridges.core.errors import FleetError
+from cartridges.core.generate import generate
 from cartridges.fleet import Fleet
-from cartridges.generate import generate
 from cli.main import main as cli_main
 from schemas.presets import fleet_preset
 from server.engine import Accepted, Engine

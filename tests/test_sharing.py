@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.batch import Stream
-from cartridges.generate import generate
-from cartridges.sharing import common_length, shared_groups
-from cartridges.targets import teacher_targets
+from cartridges.core.batch import Stream
+from cartridges.core.generate import generate
+from cartridges.core.sharing import common_length, shared_groups
+from cartridges.core.targets import teacher_targets
 from tests.tiny import tiny_gemma3, tiny_llama, tiny_qwen3
 
 

@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from cartridges import speed
-from cartridges.models import load_model
+from cartridges.core import speed
+from cartridges.core.models import load_model
 
 
 @pytest.fixture(autouse=True)

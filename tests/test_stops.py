@@ -172,8 +172,8 @@ def test_eval_stopped_by_sigint_names_the_stage_and_the_rerun_scores_the_same(tm
     import subprocess
     import sys
 
-    from cartridges.cartridge import init_from_corpus
-    from cartridges.files import save_cartridge
+    from cartridges.core.cartridge import init_from_corpus
+    from cartridges.core.files import save_cartridge
     from tests.tiny import tiny_llama
 
     lm = tiny_llama()

@@ -29,7 +29,7 @@ def test_question_stop_ids_are_exactly_tokens_containing_a_question_mark():
 
 def _bot_a_stops(monkeypatch, config) -> list[tuple[int, ...]]:
     """The stop ids synthesize_group gives bot A's streams (generation itself is stubbed out)."""
-    from cartridges.generate import Generation
+    from cartridges.core.generate import Generation
     from stages import synthesize
 
     seen: list[tuple[int, ...]] = []
@@ -60,8 +60,8 @@ def test_bot_a_stops_at_a_question_mark_unless_the_lever_is_off(monkeypatch):
 def test_focus_gives_a_spans_conversations_consecutive_sentences_of_their_chunk(monkeypatch):
     """With synth.focus (the default), bot A's prompts about one span quote different whole sentences of it,
     consecutive in the chunk (cyclically); without it, no sentence is quoted."""
-    from cartridges.generate import Generation
-    from cartridges.seeds import FOCUS_LEAD
+    from cartridges.core.generate import Generation
+    from cartridges.selfstudy.seeds import FOCUS_LEAD
     from schemas import SynthConfig
     from stages import synthesize
 
@@ -100,7 +100,7 @@ def test_a_document_teacher_answers_with_the_whole_document_and_bot_a_still_sees
     document; the kept targets are the model's distributions behind a real prefill of it."""
     import torch
 
-    from cartridges.chat import system_ids
+    from cartridges.core.chat import system_ids
     from schemas import SynthConfig
     from stages import synthesize
 
@@ -139,7 +139,7 @@ def test_a_document_teacher_answers_with_the_whole_document_and_bot_a_still_sees
 def test_a_document_too_long_for_the_models_context_is_refused_by_name():
     import pytest
 
-    from cartridges.errors import CartridgeError
+    from cartridges.core.errors import CartridgeError
     from schemas import ConfigError, SynthConfig
     from stages.synthesize import document_contexts
 

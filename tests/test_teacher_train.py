@@ -6,10 +6,10 @@ import math
 
 import torch
 
-from cartridges.cartridge import Cartridge
-from cartridges.prefix import capture_rows
-from cartridges.targets import teacher_targets, truncate_topk
-from cartridges.train import Example, group_backward, lr_at, make_optimizer
+from cartridges.core.cartridge import Cartridge
+from cartridges.core.prefix import capture_rows
+from cartridges.core.targets import teacher_targets, truncate_topk
+from cartridges.core.train import Example, group_backward, lr_at, make_optimizer
 from tests.tiny import VOCAB, tiny_llama
 
 
@@ -99,7 +99,7 @@ def test_recomputing_activations_gives_the_same_gradients():
 
 
 def test_optimizer_roundtrip_continues_bit_identically(tmp_path):
-    from cartridges.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
+    from cartridges.core.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
 
     lm = tiny_llama()
     examples = random_examples(4, seed=1)

@@ -18,7 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from cartridges.models import LoadedModel, wrap
+from cartridges.core.models import LoadedModel, wrap
 
 # ChatML with the same default-system injection as SmolLM2's template, so tests can
 # check that no default system prompt reaches a student sequence.

@@ -3,13 +3,13 @@
 Each check compares the engine on the device against a reference that does not share
 the mechanism under test:
 - gate: an untrained cartridge (one capture, or two parts cut from it and composed)
-  against a real prefill of the same tokens (`cartridges.equiv.equivalence`); in
+  against a real prefill of the same tokens (`cartridges.evaluation.equiv.equivalence`); in
   bfloat16 it is judged against the model's own shape sensitivity, in float32 also
   against a bound scaled to the tiny models' small logits.
 - finite differences: float64 gradients into the rows of one or two composed parts
   against central differences of the loss (`torch.autograd.gradcheck`), which never
   run the backward.
-- gradients: the training gradients (`cartridges.train.group_backward`, packed and
+- gradients: the training gradients (`cartridges.core.train.group_backward`, packed and
   flat) in float32 or bfloat16 on the device against the same weights in float64 on
   the CPU, computed flat.
 """
@@ -22,11 +22,11 @@ from contextlib import contextmanager
 
 import torch
 
-from cartridges.cartridge import Cartridge
-from cartridges.equiv import cut, equivalence
-from cartridges.loss import Targets, student_loss
-from cartridges.prefix import capture_rows
-from cartridges.train import Example, group_backward
+from cartridges.core.cartridge import Cartridge
+from cartridges.core.loss import Targets, student_loss
+from cartridges.core.prefix import capture_rows
+from cartridges.core.train import Example, group_backward
+from cartridges.evaluation.equiv import cut, equivalence
 from tests.tiny import TINY
 
 FAMILIES = ("llama", "qwen3")

@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from cartridges.models import LoadedModel, wrap  # noqa: E402
+from cartridges.core.models import LoadedModel, wrap  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 MODELS = ("smollm2-135m", "qwen3-0.6b", "llama-3.2-1b")

@@ -1,11 +1,11 @@
 """Throughput on one model, through the project's own engine, with token ids for text.
 
 - self-study: one chunk plan (`per_chunk` conversations per chunk, chunk-major) through
-  bot A's questions and bot B's answers (`cartridges.generate`, lockstep batches of
+  bot A's questions and bot B's answers (`cartridges.core.generate`, lockstep batches of
   `gen_batch`, shared chunk prefills, bot B keeping its top-k: the teacher's targets),
-  the teacher pass (`cartridges.targets.teacher_targets`, which the pipeline runs only
+  the teacher pass (`cartridges.core.targets.teacher_targets`, which the pipeline runs only
   when it cannot keep the targets from bot B) and one training epoch (packed groups of
-  `accum`, Adam steps, behind a `p`-row cartridge: `cartridges.train`).
+  `accum`, Adam steps, behind a `p`-row cartridge: `cartridges.core.train`).
 - time to first token: a question behind a `p`-row cartridge of a document, against the
   same question after the whole document in the prompt (median of alternating runs).
 - decode: tokens/s of greedy generation behind the cartridge, 1 stream against 16.
@@ -25,14 +25,14 @@ from collections.abc import Callable
 import torch
 
 from bench.gpu.shapes import random_ids
-from cartridges.batch import Stream
-from cartridges.cartridge import Cartridge
-from cartridges.generate import generate
-from cartridges.models import LoadedModel
-from cartridges.prefix import capture_rows
-from cartridges.sharing import SHARE_MIN
-from cartridges.targets import teacher_targets
-from cartridges.train import Example, group_backward, make_optimizer
+from cartridges.core.batch import Stream
+from cartridges.core.cartridge import Cartridge
+from cartridges.core.generate import generate
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import capture_rows
+from cartridges.core.sharing import SHARE_MIN
+from cartridges.core.targets import teacher_targets
+from cartridges.core.train import Example, group_backward, make_optimizer
 from schemas.configs import ChunkConfig, SynthConfig, TeacherConfig, TrainConfig
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.errors import FleetError
+from cartridges.core.cartridge import Cartridge, compose_rows
+from cartridges.core.errors import FleetError
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import Rows
 from cartridges.fleet.index import Index, embed_text
 from cartridges.fleet.manifest import Manifest, check_model, read_manifest, resolve
 from cartridges.fleet.residents import load_rows
-from cartridges.models import LoadedModel
-from cartridges.prefix import Rows
 
 
 class Fleet:

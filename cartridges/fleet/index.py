@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from cartridges.errors import FleetError
-from cartridges.models import backbone
+from cartridges.core.errors import FleetError
+from cartridges.core.models import backbone
 from schemas import TABLES, validate_table
 from storage.atomic import atomic_path
 from storage.faults import fault_point

@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cartridges.errors import FleetError
+from cartridges.core.errors import FleetError
 from storage.atomic import write_json_atomic
 from storage.versions import current, is_versioned
 

@@ -16,7 +16,7 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from cartridges.spans import heldout_reserve, keyed_seed
+from cartridges.selfstudy.spans import heldout_reserve, keyed_seed
 from schemas import SEED_TYPES, FleetConfig
 
 

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import torch
 
-from cartridges.cartridge import Cartridge, init_from_corpus
-from cartridges.errors import CartridgeError, FleetError
-from cartridges.files import (
+from cartridges.core.cartridge import Cartridge, init_from_corpus
+from cartridges.core.errors import CartridgeError, FleetError
+from cartridges.core.files import (
     check_fits,
     load_cartridge,
     load_optimizer,
     save_cartridge,
     save_optimizer,
 )
+from cartridges.core.models import LoadedModel
+from cartridges.core.train import Example, group_backward, make_optimizer
 from cartridges.fleet.budget import warmup_lr
 from cartridges.fleet.manifest import DocEntry
-from cartridges.models import LoadedModel
-from cartridges.train import Example, group_backward, make_optimizer
 from storage.faults import fault_point
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cartridges.errors import ModelError
+from cartridges.core.errors import ModelError
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ DEFAULT_MODEL = "smollm2"
 def models_dir() -> Path:
     """Where converted models are cached: $CARTRIDGES_MODELS, else `models/` beside the package."""
     env = os.environ.get("CARTRIDGES_MODELS")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "models"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "models"
 
 
 def ensure_packaged(name: str) -> Path:

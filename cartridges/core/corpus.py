@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cartridges.errors import CorpusError
+from cartridges.core.errors import CorpusError
 
 MAX_BYTES = 16 * 1024 * 1024
 EXTENSIONS = (".md", ".txt")

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.loss import Targets, student_loss
+from cartridges.core.cartridge import Cartridge, compose_rows
+from cartridges.core.loss import Targets, student_loss
 
 
 @dataclass

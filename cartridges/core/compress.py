@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cartridges.models import backbone
+from cartridges.core.models import backbone
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]
 

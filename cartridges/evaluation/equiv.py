@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from cartridges.cartridge import Cartridge, compose_rows
-from cartridges.errors import CorpusError
-from cartridges.models import LoadedModel
-from cartridges.prefix import capture_rows, forward_behind
+from cartridges.core.cartridge import Cartridge, compose_rows
+from cartridges.core.errors import CorpusError
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import capture_rows, forward_behind
 
 F32_TOLERANCE = 1e-3
 

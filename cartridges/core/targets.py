@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from cartridges.models import backbone, project
-from cartridges.prefix import capture_rows, forward_behind
-from cartridges.sharing import shared_groups
+from cartridges.core.models import backbone, project
+from cartridges.core.prefix import capture_rows, forward_behind
+from cartridges.core.sharing import shared_groups
 
 
 def top_entries(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

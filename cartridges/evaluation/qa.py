@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cartridges.errors import CartridgeError
+from cartridges.core.errors import CartridgeError
 
 
 class QAError(CartridgeError):

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from cartridges.attention import use_grouped_sdpa
-from cartridges.errors import ModelError
-from cartridges.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
-from cartridges.speed import DtypeChoice, choose_dtype, model_shape
+from cartridges.core.attention import use_grouped_sdpa
+from cartridges.core.errors import ModelError
+from cartridges.core.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
+from cartridges.core.speed import DtypeChoice, choose_dtype, model_shape
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

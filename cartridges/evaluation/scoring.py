@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cartridges.chat import chat_ids, end_of_turn_ids, without_system
-from cartridges.models import LoadedModel, backbone, cache_keyword, project
-from cartridges.prefix import Rows, capture_rows, forward_behind, prefix_cache
-from cartridges.qa import Question
+from cartridges.core.chat import chat_ids, end_of_turn_ids, without_system
+from cartridges.core.models import LoadedModel, backbone, cache_keyword, project
+from cartridges.core.prefix import Rows, capture_rows, forward_behind, prefix_cache
+from cartridges.evaluation.qa import Question
 
 LETTERS = "ABCDEFGHIJ"
 _LETTER = re.compile(r"^\s*\(?([A-J])\s*[\).:\]]?(\s|$)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from cartridges.errors import ModelError
+from cartridges.core.errors import ModelError
 
 THINK_SPAN = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 # Stand-ins that no template writes on its own, to find where a message's text lands.

@@ -5,7 +5,7 @@ forward per step for all streams still running; a stream that stops or reaches i
 budget leaves the batch (its cache rows are dropped) so later steps only pay for the
 streams that remain. Sampling draws from a per-stream generator, so a stream's tokens
 do not depend on which other streams share its batch. The decode step itself lives in
-`cartridges.batch`, shared with the server.
+`cartridges.core.batch`, shared with the server.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from cartridges.batch import Batch, Running, Stream, looped
-from cartridges.prefix import Rows, capture_rows
-from cartridges.sharing import shared_groups
+from cartridges.core.batch import Batch, Running, Stream, looped
+from cartridges.core.prefix import Rows, capture_rows
+from cartridges.core.sharing import shared_groups
 
 # An answer that repeats a span of this many tokens has started to loop.
 LOOP_SPAN = 10

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cartridges.models import project
-from cartridges.prefix import Rows, forward_behind
+from cartridges.core.models import project
+from cartridges.core.prefix import Rows, forward_behind
 
 
 @dataclass

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from cartridges.chat import system_ids
-from cartridges.compress import rotary_of, snapkv_rows
-from cartridges.errors import CorpusError, GeometryError, ModelError
-from cartridges.models import LoadedModel
-from cartridges.prefix import capture_rows
+from cartridges.core.chat import system_ids
+from cartridges.core.compress import rotary_of, snapkv_rows
+from cartridges.core.errors import CorpusError, GeometryError, ModelError
+from cartridges.core.models import LoadedModel
+from cartridges.core.prefix import capture_rows
 
 
 class Cartridge:

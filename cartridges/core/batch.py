@@ -21,10 +21,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from cartridges.drafts import Drafter
-from cartridges.models import cache_keyword, project, read_cache
-from cartridges.prefix import Rows, attention_masks, forward_behind, prefix_length
-from cartridges.targets import top_entries
+from cartridges.core.drafts import Drafter
+from cartridges.core.models import cache_keyword, project, read_cache
+from cartridges.core.prefix import Rows, attention_masks, forward_behind, prefix_length
+from cartridges.core.targets import top_entries
 
 
 @dataclass

@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cartridges.batch import Stream
-from cartridges.chat import end_of_turn_ids, system_ids
-from cartridges.generate import generate
-from cartridges.models import LoadedModel, cache_keyword, probe_geometry
-from cartridges.prefix import Rows, prefix_cache
-from cartridges.qa import Question
-from cartridges.scoring import (
+from cartridges.core.batch import Stream
+from cartridges.core.chat import end_of_turn_ids, system_ids
+from cartridges.core.generate import generate
+from cartridges.core.models import LoadedModel, cache_keyword, probe_geometry
+from cartridges.core.prefix import Rows, prefix_cache
+from cartridges.evaluation.qa import Question
+from cartridges.evaluation.scoring import (
     bootstrap_ci,
     choose_option,
     closure_ci,

@@ -19,7 +19,7 @@ import torch
 import torch.utils.checkpoint
 from transformers import DynamicCache
 
-from cartridges.models import backbone, cache_keyword, own_cache
+from cartridges.core.models import backbone, cache_keyword, own_cache
 
 Rows = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer ([H, p, d] keys, values)
 

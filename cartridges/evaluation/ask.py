@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from cartridges.batch import Stream
-from cartridges.cartridge import compose_rows
-from cartridges.chat import chat_ids, end_of_turn_ids, without_system
-from cartridges.corpus import corpus_text
-from cartridges.files import check_fits, load_cartridge
-from cartridges.generate import LOOP_SPAN, generate, loop_start
-from cartridges.models import LoadedModel, load_model
+from cartridges.core.batch import Stream
+from cartridges.core.cartridge import compose_rows
+from cartridges.core.chat import chat_ids, end_of_turn_ids, without_system
+from cartridges.core.corpus import corpus_text
+from cartridges.core.files import check_fits, load_cartridge
+from cartridges.core.generate import LOOP_SPAN, generate, loop_start
+from cartridges.core.models import LoadedModel, load_model
 
 
 def student_prompt(tokenizer, question: str) -> list[int]:

@@ -14,7 +14,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from cartridges.chat import chat_ids
+from cartridges.core.chat import chat_ids
 from schemas.configs import SEED_TYPES
 
 

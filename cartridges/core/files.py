@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from cartridges.cartridge import Cartridge, _brief
-from cartridges.errors import CartridgeFileError, GeometryError
+from cartridges.core.cartridge import Cartridge, _brief
+from cartridges.core.errors import CartridgeFileError, GeometryError
 from storage.atomic import atomic_write_bytes
 
 FORMAT = "cartridges"
