@@ -13,19 +13,9 @@ from cli.common import (
     command,
     emit_json,
 )
-
-# CLI option -> (FleetConfig field or "section.field", type).
-FLEET_OPTIONS: list[tuple[str, str, type]] = [
-    ("--budget", "budget", int), ("--rotate-every", "rotate_every", int), ("--evict-frac", "evict_frac", float),
-    ("--warmup", "warmup", int), ("--p-iso", "p_iso", float), ("--distract-max", "distract_max", int),
-    ("--rounds", "rounds", int), ("--accum", "accum", int), ("--lr", "lr", float),
-    ("--embed-chunk", "embed_chunk", int), ("--rag-docs", "rag_docs", int), ("--rag-chunks", "rag_chunks", int),
-    ("--p", "p", int), ("--frozen", "frozen", int), ("--chunk-min", "chunk_min", int),
-    ("--chunk-max", "chunk_max", int), ("--heldout", "heldout", int), ("--seed", "seed", int),
-    ("--max-q", "synth.max_q", int), ("--max-a", "synth.max_a", int), ("--gen-batch", "synth.gen_batch", int),
-    ("--temperature-a", "synth.temperature_a", float), ("--top-k", "teacher.top_k", int),
-    ("--top-mass", "teacher.top_mass", float),
-]
+from cli.options import add_options, config_from
+from schemas.configs import FleetConfig
+from schemas.presets import FLEET_PRESETS, fleet_preset
 
 
 def add_parsers(sub) -> None:
@@ -34,16 +24,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--docs", action="append", nargs="+", help="document files or directories (top-level .md/.txt)")
     p.add_argument("--fleet", required=True, help="fleet directory")
     p.add_argument("--resume", action="store_true", help="continue or update an existing fleet")
-    p.add_argument("--preset", default="default", help="budget preset: default, demo, smoke")
+    p.add_argument("--preset", default="default",
+                   help=f"budget preset: {', '.join(FLEET_PRESETS)} (schemas/presets.py); flags given override it")
     p.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
-    for flag, field, kind in FLEET_OPTIONS:
-        p.add_argument(flag, type=kind, default=None, dest=f"fleet__{field.replace('.', '__')}", help=field)
-    p.add_argument("--distractors", choices=("train", "frozen"), default=None,
-                   help="co-loaded distractors take optimizer steps (train) or stay constant (frozen)")
-    p.add_argument("--targets", choices=("tokens", "balanced"), default=None,
-                   help="round targets drawn proportional to tokens, or the least-trained resident")
-    p.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
-    p.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
+    add_options(p, FleetConfig, top="fleet")
     p.add_argument("--eval-distractors", type=int, default=0,
                    help="also score each document's held-out loss with this many distractors co-loaded")
     p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
@@ -67,27 +51,8 @@ def add_parsers(sub) -> None:
     add_common(p)
 
 
-def fleet_config(args: argparse.Namespace):
-    from schemas.presets import fleet_preset
-
-    overrides: dict = {}
-    for _flag, field, _kind in FLEET_OPTIONS:
-        value = getattr(args, f"fleet__{field.replace('.', '__')}")
-        if value is None:
-            continue
-        if "." in field:
-            section, name = field.split(".")
-            overrides.setdefault(section, {})[name] = value
-        else:
-            overrides[field] = value
-    for name in ("distractors", "targets"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    if args.no_filter:
-        overrides.setdefault("synth", {})["filter"] = False
-    if args.no_pack:
-        overrides["pack"] = False
-    return fleet_preset(args.preset, overrides)
+def fleet_config(args: argparse.Namespace) -> FleetConfig:
+    return config_from(args, FleetConfig, fleet_preset, args.preset)
 
 
 @command("fleet")

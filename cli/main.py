@@ -16,8 +16,10 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
+from cli.options import add_options, config_from
 from cli.store import add_parsers as add_store_parsers
-from schemas.configs import HELDOUT_REGIONS, INITS, LR_SCHEDULES, TEACHER_CONTEXTS
+from schemas.configs import PipelineConfig
+from schemas.presets import PRESETS, preset
 
 
 @command("equiv")
@@ -55,83 +57,19 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-# CLI option -> (config section, field, type). One table so train and stage agree.
-PIPELINE_OPTIONS: list[tuple[str, str, str, type]] = [
-    ("--conversations", "chunks", "conversations", int),
-    ("--heldout", "chunks", "heldout", int),
-    ("--chunk-min", "chunks", "chunk_min", int),
-    ("--chunk-max", "chunks", "chunk_max", int),
-    ("--per-chunk", "chunks", "per_chunk", int),
-    ("--heldout-region", "chunks", "heldout_region", str),
-    ("--max-q", "synth", "max_q", int),
-    ("--max-a", "synth", "max_a", int),
-    ("--temperature-a", "synth", "temperature_a", float),
-    ("--gen-batch", "synth", "gen_batch", int),
-    ("--keep-topk", "synth", "keep_topk", int),
-    ("--spec-b", "synth", "spec_b", int),
-    ("--teacher-context", "synth", "teacher_context", str),
-    ("--top-k", "teacher", "top_k", int),
-    ("--top-mass", "teacher", "top_mass", float),
-    ("--p", "train", "p", int),
-    ("--frozen", "train", "frozen", int),
-    ("--lr", "train", "lr", float),
-    ("--accum", "train", "accum", int),
-    ("--epochs", "train", "epochs", int),
-    ("--schedule", "train", "schedule", str),
-    ("--warmup", "train", "warmup", float),
-    ("--init", "train", "init", str),
-    ("--save-every", "train", "save_every", int),
-    ("--min-heldout-drop", "health", "min_heldout_drop", float),
-]
-OPTION_CHOICES: dict[str, tuple[str, ...]] = {"--heldout-region": HELDOUT_REGIONS, "--init": INITS,
-                                              "--schedule": LR_SCHEDULES,
-                                              "--teacher-context": TEACHER_CONTEXTS}
 STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
 
 
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", action="append", help="text file or directory (repeatable)")
-    parser.add_argument("--preset", default="default", help="budget preset: default, large, demo, smoke")
+    parser.add_argument("--preset", default="default",
+                        help=f"budget preset: {', '.join(PRESETS)} (schemas/presets.py); flags given override it")
     parser.add_argument("--store", default=None, help="artifact store root (default $CARTRIDGES_HOME or ./artifacts)")
-    for flag, section, field, kind in PIPELINE_OPTIONS:
-        parser.add_argument(flag, type=kind, default=None, dest=f"{section}__{field}", help=f"{section}.{field}",
-                            choices=OPTION_CHOICES.get(flag))
-    parser.add_argument("--seed", type=int, default=None, help="seed for chunk plan, sampling and order")
-    parser.add_argument("--no-filter", action="store_true", help="keep degenerate bot A/B messages")
-    parser.add_argument("--no-stop-at-question", action="store_true",
-                        help="let bot A's message run past its first '?'")
-    parser.add_argument("--focus", action=argparse.BooleanOptionalAction, default=None,
-                        help="show bot A one sentence of its chunk to ask about (consecutive per span; default on)")
-    parser.add_argument("--no-pack", action="store_true", help="one forward/backward per conversation")
-    parser.add_argument("--checkpoint", action="store_true", help="recompute activations in the backward")
-    parser.add_argument("--draft-ref", action="store_true",
-                        help="embed the corpus token ids in the cartridge file (drafts for serve --spec)")
+    add_options(parser, PipelineConfig)
 
 
-def pipeline_config(args: argparse.Namespace):
-    from schemas.presets import preset
-
-    overrides: dict[str, dict] = {}
-    for _flag, section, field, _kind in PIPELINE_OPTIONS:
-        value = getattr(args, f"{section}__{field}")
-        if value is not None:
-            overrides.setdefault(section, {})[field] = value
-    if args.seed is not None:
-        for section in ("chunks", "synth", "train"):
-            overrides.setdefault(section, {})["seed"] = args.seed
-    if args.no_filter:
-        overrides.setdefault("synth", {})["filter"] = False
-    if args.no_stop_at_question:
-        overrides.setdefault("synth", {})["stop_at_question"] = False
-    if args.focus is not None:
-        overrides.setdefault("synth", {})["focus"] = args.focus
-    if args.no_pack:
-        overrides.setdefault("train", {})["pack"] = False
-    if args.checkpoint:
-        overrides.setdefault("train", {})["checkpoint"] = True
-    if args.draft_ref:
-        overrides.setdefault("train", {})["draft_ref"] = True
-    return preset(args.preset, overrides)
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
+    return config_from(args, PipelineConfig, preset, args.preset)
 
 
 def require_corpus(args: argparse.Namespace) -> list[str]:
@@ -311,8 +249,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save", default=None, help="copy the trained cartridge to this path")
     p.add_argument("--force", action="append", choices=STAGES, help="recompute this stage despite a fingerprint hit")
     p.add_argument("--force-all", action="store_true", help="recompute every stage")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run (the default: finished shards and checkpoints are kept)")
     p.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow run")
     add_runner_args(p)
     add_common(p)

@@ -17,6 +17,8 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+from cli.options import dest
+
 LONG_COMMANDS = ("train", "fleet", "retrain", "eval", "stage")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -88,8 +90,9 @@ def stop_message(args: argparse.Namespace, exc: KeyboardInterrupt, rounds_before
         if done is None:
             how = "rerun the same command to resume"
         else:
-            wanted = (rounds_before or 0) + (args.fleet__rounds if args.fleet__rounds is not None else 0)
-            missing = f" --rounds {max(wanted - done, 0)}" if args.fleet__rounds is not None else ""
+            rounds = getattr(args, dest("--rounds"))
+            wanted = (rounds_before or 0) + (rounds if rounds is not None else 0)
+            missing = f" --rounds {max(wanted - done, 0)}" if rounds is not None else ""
             how = f"rerun with --resume{missing} to resume (the fleet has {done} rounds)"
     elif command == "retrain":
         how = "the live version is unchanged; rerun the same command to resume"

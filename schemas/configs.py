@@ -32,11 +32,27 @@ def _bad(cfg: object, name: str, why: str) -> ConfigError:
 _ADDED = "added"
 
 
-def added(default: Any, before: Any = None) -> Any:
+def option(default: Any, help: str, **how: Any) -> Any:
+    """A field the command line sets (cli/options.py): the flag is `--name` with `_` as `-`, its
+    type the annotation, its help `help` with the default; see `_option` for `how`."""
+    return dataclasses.field(default=default, metadata=_option(help, **how))
+
+
+def added(default: Any, before: Any = None, **how: Any) -> Any:
     """A field added after artifacts were made with the config. At `before` (the behaviour from
     before the field existed; `default` unless given) it stays out of the fingerprint, so those
-    artifacts are still reused; the default may since have moved on to a better setting."""
-    return dataclasses.field(default=default, metadata={_ADDED: True, "before": default if before is None else before})
+    artifacts are still reused; the default may since have moved on to a better setting.
+    `help=...` (and `option`'s other keywords) also makes it a command-line option."""
+    metadata = {_ADDED: True, "before": default if before is None else before}
+    return dataclasses.field(default=default, metadata=metadata | (_option(**how) if how else {}))
+
+
+def _option(help: str, *, choices: tuple[str, ...] | None = None, flag: str | None = None,
+            ablation: bool = False) -> dict[str, Any]:
+    """An option's metadata. `choices`: the values a string takes; `flag`: a name other than the
+    field's; `ablation`: only quality experiments (experiments/LAB.md) set it, so the flag parses
+    but stays out of `--help`, and the field stays settable in config dicts and presets."""
+    return {"help": help, "choices": choices, "flag": flag, "ablation": ablation}
 
 
 class _Config:
@@ -155,16 +171,19 @@ class IngestConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig(_Config):
-    conversations: int = 1000  # docs/QUALITY.md: about 20 minutes for a 3,000-token document, 2 epochs
-    heldout: int = 16
-    chunk_min: int = 256
-    chunk_max: int = 512
-    seed: int = 7
+    # docs/QUALITY.md: about 20 minutes for a 3,000-token document, 2 epochs
+    conversations: int = option(1000, "self-study conversations to train on")
+    heldout: int = option(16, "held-out conversations, scored before and after training")
+    chunk_min: int = option(256, "shortest chunk, in tokens")
+    chunk_max: int = option(512, "longest chunk, in tokens")
+    seed: int = option(7, "seed of the chunk plan")
     seed_types: tuple[str, ...] = SEED_TYPES
-    per_chunk: int = 7  # conversations (distinct seed types) per span, its prefill shared
+    per_chunk: int = option(7, "conversations per chunk, each with its own seed type; they share one prefill")
     # "sample": held-out spans drawn anywhere, no text withheld from training; "tail": a reserved
     # tail of each document is held out (a diagnostic of transfer to unseen text)
-    heldout_region: str = "sample"
+    heldout_region: str = option("sample", "where held-out chunks come from: anywhere (sample), or each "
+                                 "document's reserved tail (tail, a diagnostic)",
+                                 choices=HELDOUT_REGIONS, ablation=True)
 
     def validate(self) -> None:
         if self.heldout_region not in HELDOUT_REGIONS:
@@ -192,28 +211,32 @@ class ChunkConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class SynthConfig(_Config):
-    max_q: int = 64
-    max_a: int = 160
-    temperature_a: float = 0.6
-    gen_batch: int = 64  # lockstep streams per generation group and per synthesis shard
-    seed: int = 7
-    filter: bool = True
-    stop_at_question: bool = True  # end bot A's message at its first '?' (seeds that ask a question)
+    max_q: int = option(64, "token budget of bot A's message")
+    max_a: int = option(160, "token budget of bot B's answer")
+    temperature_a: float = option(0.6, "bot A's sampling temperature")
+    gen_batch: int = option(64, "conversations generated in lockstep (per group and per synthesis shard)")
+    seed: int = option(7, "seed of sampling")
+    filter: bool = option(True, "drop conversations whose bot A or bot B message is degenerate")
+    # seeds that ask a question
+    stop_at_question: bool = option(True, "end bot A's message at its first '?'", ablation=True)
     # Bot B keeps the top-k log-probabilities of every answer step: exactly the teacher's
     # targets (same model, same context, same tokens), so the teacher pass reads them
     # instead of running the answers again. 0: the teacher pass computes them.
-    keep_topk: int = 20
+    keep_topk: int = option(20, "top-k log-probabilities bot B keeps per answer token for the teacher "
+                                "(0: the teacher runs its own forward)")
     # Bot B verifies up to this many prompt-lookup draft tokens per step (greedy, so the
     # same answers). Off by default: it does not pay in wide CPU batches (docs/BENCHMARKS.md).
-    spec_b: int = added(0)
+    spec_b: int = added(0, help="prompt-lookup draft tokens bot B verifies per step (0: off; same answers)")
     # Each conversation's bot A is shown one sentence of its chunk to ask about, consecutive
     # conversations about a span taking consecutive sentences: questions spread over the
     # chunk's facts instead of the few bot A would pick (fact coverage, docs/QUALITY.md).
-    focus: bool = added(True, before=False)
+    focus: bool = added(True, before=False, ablation=True,
+                        help="show bot A one sentence of its chunk to ask about (consecutive per chunk)")
     # What bot B (whose answer distributions are the teacher's targets) sees: the conversation's
     # chunk, as in the paper, or the chunk's whole document, as the in-context arm of the eval
     # does (a document must then fit the model's context beside the conversation).
-    teacher_context: str = added("chunk")
+    teacher_context: str = added("chunk", choices=TEACHER_CONTEXTS, ablation=True,
+                                 help="what bot B answers from: the chunk, or its whole document")
 
     def validate(self) -> None:
         if self.teacher_context not in TEACHER_CONTEXTS:
@@ -233,8 +256,8 @@ class SynthConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class TeacherConfig(_Config):
-    top_k: int = 20
-    top_mass: float = 0.99
+    top_k: int = option(20, "teacher targets kept per answer token (top-k)")
+    top_mass: float = option(0.99, "teacher targets cut at this probability mass")
     batch: int = 8
 
     def validate(self) -> None:
@@ -248,20 +271,26 @@ class TeacherConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig(_Config):
-    p: int = 1024  # docs/QUALITY.md, levers: closure rose with rows (256, 512, 1,024) on each document tried
+    # docs/QUALITY.md, levers: closure rose with rows (256, 512, 1,024) on each document tried
+    p: int = option(1024, "cartridge rows (KV-cache prefix length)")
     # None: the init's own (cartridges.core.cartridge.default_frozen): half of p under snapkv, else 1
-    frozen: int | None = None
-    lr: float = 2e-2  # docs/QUALITY.md, levers: lowest held-out loss of 2e-3, 2e-2 and 5e-2
-    accum: int = 4
-    epochs: int = 2  # at 1,000 conversations 4 epochs gave the same gold-NLL closure in twice the time
-    schedule: str = added("constant")  # or "cosine": linear warm-up, then cosine decay to 0 at the last step
-    warmup: float = added(0.0)  # share of all steps spent warming up linearly from 0 (any schedule)
-    init: str = "auto"  # snapkv where the model allows it, else corpus (cartridges.core.cartridge.resolve_init)
-    pack: bool = True
-    checkpoint: bool = False
-    draft_ref: bool = added(False)  # embed the corpus token ids in the file: serve --spec drafts from them
-    save_every: int = 0
-    seed: int = 7
+    frozen: int | None = option(None, "leading rows held constant (default: half of p under snapkv, else 1)")
+    lr: float = option(2e-2, "learning rate")  # docs/QUALITY.md, levers: lowest held-out loss of 2e-3, 2e-2 and 5e-2
+    accum: int = option(4, "conversations per optimizer step")
+    # at 1,000 conversations 4 epochs gave the same gold-NLL closure in twice the time
+    epochs: int = option(2, "passes over the training conversations")
+    schedule: str = added("constant", choices=LR_SCHEDULES, ablation=True,
+                          help="learning rate: constant, or cosine decay to 0 at the last step")
+    warmup: float = added(0.0, ablation=True, help="share of all steps spent ramping the learning rate up from 0")
+    # cartridges.core.cartridge.resolve_init
+    init: str = option("auto", "the rows' start: snapkv where the model allows it, else corpus (auto); the "
+                       "corpus's first p tokens (corpus); rows SnapKV picks over the corpus (snapkv); random",
+                       choices=INITS)
+    pack: bool = option(True, "train a group's conversations in one packed forward/backward")
+    checkpoint: bool = option(False, "recompute activations in the backward (less memory, more time)")
+    draft_ref: bool = added(False, help="embed the corpus token ids in the cartridge file (drafts for serve --spec)")
+    save_every: int = option(0, "write a training checkpoint every N steps (0: never)")
+    seed: int = option(7, "seed of the training order")
 
     def validate(self) -> None:
         if self.p < 1:
@@ -290,7 +319,7 @@ class TrainConfig(_Config):
 class HealthConfig(_Config):
     """The training health check's bars (not part of any stage's fingerprint)."""
 
-    min_heldout_drop: float = 0.01  # relative; a run whose held-out loss falls less has failed
+    min_heldout_drop: float = option(0.01, "health check: the least relative fall of the held-out loss")
     diverge_ratio: float = 1.25  # last tenth of the loss curve over its first tenth
 
     def validate(self) -> None:
@@ -319,34 +348,39 @@ class FleetConfig(_Config):
     """A fleet: one cartridge per document, trained jointly under a residency budget."""
 
     # cartridges
-    p: int = 256
-    frozen: int = 1
+    p: int = option(256, "rows per cartridge")
+    frozen: int = option(1, "leading rows of each cartridge held constant")
     # budget manager
-    budget: int = 4
-    rotate_every: int = 10
-    evict_frac: float = 0.5
-    warmup: int = 8
+    budget: int = option(4, "cartridges resident in memory at a time")
+    rotate_every: int = option(10, "rounds between rotations of the residents")
+    evict_frac: float = option(0.5, "share of the residents (most-trained first) swapped out at a rotation")
+    warmup: int = option(8, "steps over which each cartridge ramps its learning rate up")
     # mixed visibility
-    p_iso: float = 0.75
-    distract_max: int = 3
-    distractors: str = "train"
-    targets: str = "tokens"  # "tokens": drawn proportional to tokens; "balanced": least-trained
+    p_iso: float = option(0.75, "chance that a round's target is the only prefix (else distractors are co-loaded)")
+    distract_max: int = option(3, "most distractors co-loaded in a round")
+    distractors: str = option("train", "co-loaded distractors take optimizer steps (train) or stay constant (frozen)",
+                              choices=DISTRACTOR_MODES, ablation=True)
+    targets: str = option("tokens", "round targets drawn proportional to tokens (tokens), or the least-trained "
+                          "resident (balanced)", choices=TARGET_MODES)
     # rounds of self-study: one optimizer group of `accum` conversations per round
-    rounds: int = 20
-    accum: int = 4
-    lr: float = 2e-3
-    pack: bool = True
-    chunk_min: int = 256
-    chunk_max: int = 512
-    heldout: int = 4  # held-out conversations per document
-    seed: int = 7
+    rounds: int = option(20, "rounds of self-study, one optimizer step each")
+    accum: int = option(4, "conversations per round")
+    lr: float = option(2e-3, "learning rate")
+    pack: bool = option(True, "train a round's conversations in one packed forward/backward")
+    chunk_min: int = option(256, "shortest chunk, in tokens")
+    chunk_max: int = option(512, "longest chunk, in tokens")
+    heldout: int = option(4, "held-out conversations per document")
+    seed: int = option(7, "seed of the round plans and held-out conversations")
     # retrieval
-    embed_chunk: int = 256
-    rag_docs: int = 2
-    rag_chunks: int = 8
-    synth: SynthConfig = dataclasses.field(default_factory=SynthConfig)
-    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
-    ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig)
+    embed_chunk: int = option(256, "tokens per retrieval chunk")
+    rag_docs: int = option(2, "documents composed per question")
+    rag_chunks: int = option(8, "chunks retrieved per question (at least rag_docs)")
+    # the sections' options the fleet command shows (cli/options.py)
+    synth: SynthConfig = dataclasses.field(
+        default_factory=SynthConfig, metadata={"options": ("max_q", "max_a", "gen_batch", "temperature_a", "filter")})
+    teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig,
+                                               metadata={"options": ("top_k", "top_mass")})
+    ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig, metadata={"options": ()})
 
     def validate(self) -> None:
         if self.p < 1:
