@@ -57,8 +57,8 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig:
 
 @command("fleet")
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from stages.fleet import check_target, fleet_files
-    from stages.fleet_report import summary_lines
+    from jobs.fleet import check_target, fleet_files
+    from jobs.report import summary_lines
 
     docs = [d for group in (args.docs or []) for d in group]
     if not docs:
@@ -75,7 +75,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     wait_free(args.fleet, "fleet", args.wait)
     if args.no_prefect:
         from cartridges.core.models import load_model
-        from stages.fleet import run_fleet
+        from jobs.fleet import run_fleet
         from storage import Store
 
         summary = run_fleet(Store(args.store), load_model(args.model, args.device, args.dtype), docs, args.fleet, cfg,

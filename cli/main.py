@@ -20,6 +20,7 @@ from cli.options import add_options, config_from
 from cli.store import add_parsers as add_store_parsers
 from schemas.configs import PipelineConfig
 from schemas.presets import PRESETS, preset
+from stages.graph import NAMES as STAGES
 
 
 @command("equiv")
@@ -57,9 +58,6 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
-STAGES = ("ingest", "chunks", "synthesize", "facts", "teacher", "train")
-
-
 def add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", action="append", help="text file or directory (repeatable)")
     parser.add_argument("--preset", default="default",
@@ -81,7 +79,7 @@ def require_corpus(args: argparse.Namespace) -> list[str]:
 @command("train")
 def cmd_train(args: argparse.Namespace) -> int:
     from cartridges.core.corpus import expand, read_text
-    from stages.report import summary_lines
+    from jobs.report import summary_lines
 
     corpus = require_corpus(args)
     cfg = pipeline_config(args)
@@ -91,7 +89,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_runner(args)
     if args.no_prefect:
         from cartridges.core.models import load_model
-        from stages.pipeline import run_pipeline
+        from jobs.pipeline import run_pipeline
         from storage import Store
 
         summary = run_pipeline(Store(args.store), load_model(args.model, args.device, args.dtype), corpus, cfg,
@@ -116,33 +114,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 @command("stage")
 def cmd_stage(args: argparse.Namespace) -> int:
     from cartridges.core.models import load_model
-    from stages import chunks, facts, ingest, synthesize, teacher, train
+    from stages.graph import stage
+    from stages.job import Job
     from storage import Store
 
     store = Store(args.store)
     cfg = pipeline_config(args)
-
-    def latest(stage: str):
-        art = store.latest(stage)
-        if art is None:
-            raise CartridgeError(f"stage {args.name} needs a complete '{stage}' artifact; run that stage first")
-        return art
-
+    step = stage(args.name)
+    inputs = [store.latest(name) for name in step.inputs]
+    missing = [name for name, art in zip(step.inputs, inputs, strict=True) if art is None]
+    if missing:
+        raise CartridgeError(f"stage {args.name} needs a complete '{missing[0]}' artifact; run that stage first")
+    corpus = () if step.inputs else tuple(require_corpus(args))  # the first stage reads the corpus
     lm = load_model(args.model, args.device, args.dtype)  # every stage needs at least its tokenizer
-    mid = lm.compute_id
-    if args.name == "ingest":
-        res = ingest.run(store, require_corpus(args), lm.tokenizer, cfg.ingest, tokenizer_id=mid, force=args.force_stage)
-    elif args.name == "chunks":
-        res = chunks.run(store, latest("ingest"), lm.tokenizer, cfg.chunks, force=args.force_stage, tokenizer_id=mid)
-    elif args.name == "synthesize":
-        res = synthesize.run(store, lm, latest("ingest"), latest("chunks"), cfg.synth, model_id=mid, force=args.force_stage)
-    elif args.name == "facts":
-        res = facts.run(store, latest("ingest"), latest("synthesize"), force=args.force_stage)
-    elif args.name == "teacher":
-        res = teacher.run(store, lm, latest("synthesize"), cfg.teacher, model_id=mid, force=args.force_stage)
-    else:
-        res = train.run(store, lm, latest("ingest"), latest("synthesize"), latest("teacher"), cfg.train,
-                        model_id=mid, force=args.force_stage)
+    job = Job(store, lm, corpus, force=frozenset({args.name} if args.force_stage else ()))
+    res = step.run(job, step.section(cfg), *inputs)
     state = "skipped (unchanged)" if res.skipped else "done"
     print(f"{args.name}: {state}; artifact {res.id}, {res.rows} rows, {store.dir(res)}")
     emit_json(args, {"stage": args.name, "artifact": res.id, "skipped": res.skipped, "rows": res.rows,

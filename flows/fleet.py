@@ -1,33 +1,23 @@
 """The `fleet` flow: documents to a trained fleet directory, each step a Prefect task.
 
-Prefect's own task caching is off (`cache_policy=NONE`): the catalog's fingerprints
-are the one cache. Runs with ephemeral Prefect when no server is configured.
+The steps are the fleet job's (`jobs/fleet.py`): ingest -> prepare -> heldout -> rounds ->
+evaluate -> record -> index -> publish; each round's data and training step is a task of
+its own. Runs with ephemeral Prefect when no server is configured.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
-from prefect import flow, task
-from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NONE
-from prefect.utilities.annotations import quote
+from prefect import flow
 
 from cartridges.core.models import load_model
 from flows.runners import fanout
+from flows.tasks import as_task, publish_report
+from jobs.fleet import STEPS, fleet_run
+from jobs.retrain import notify_reload, run_retrain
 from schemas.presets import fleet_preset
-from stages.fleet import run_fleet
-from stages.fleet_report import markdown_summary
-from stages.retrain import markdown_summary as retrain_markdown
-from stages.retrain import notify_reload, run_retrain
 from storage import Store
-
-
-def as_task(fn, *args, **kwargs):
-    """Run one step as a Prefect task named after the function (arguments passed untouched)."""
-    name = getattr(fn, "__name__", "step").strip("_")
-    wrapped = task(fn, name=name, cache_policy=NONE, persist_result=False)
-    return wrapped(*[quote(a) for a in args], **{k: quote(v) for k, v in kwargs.items()})
 
 
 @flow(name="fleet", log_prints=True)
@@ -50,10 +40,11 @@ def fleet_flow(
         if publish:
             summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, only_changed=False,
                                   notify=partial(notify_reload, serve_url, serve_pid_file), lock_wait=lock_wait)
-            markdown = retrain_markdown(summary)
         else:
-            summary = run_fleet(store, lm, docs, fleet, cfg, resume=resume, call=as_task,
-                                eval_distractors=eval_distractors, fanout=workers, lock_wait=lock_wait)
-            markdown = markdown_summary(summary)
-    create_markdown_artifact(markdown=markdown, key="fleet-summary", description="fleet training run")
+            with fleet_run(store, lm, docs, fleet, cfg, resume=resume, eval_distractors=eval_distractors,
+                           fanout=workers, lock_wait=lock_wait) as run:
+                for step in STEPS:  # ingest -> prepare -> heldout -> rounds -> evaluate -> record -> index -> publish
+                    run.step(step, call=as_task)
+            summary = run.summary
+    publish_report(summary, "fleet-summary", "fleet training run")
     return summary

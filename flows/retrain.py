@@ -1,7 +1,6 @@
 """The `retrain` flow: retrain the documents of a published fleet that changed, publish a new version.
 
-Prefect's own task caching is off (`cache_policy=NONE`): the catalog's fingerprints
-are the one cache. Deployed as `retrain/scheduled` (see flows/deploy.py).
+Each step is a Prefect task (`flows/tasks.py`). Deployed as `retrain/scheduled` (see flows/deploy.py).
 """
 
 from __future__ import annotations
@@ -9,12 +8,11 @@ from __future__ import annotations
 from functools import partial
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
 
 from cartridges.core.models import load_model
-from flows.fleet import as_task
 from flows.runners import fanout
-from stages.retrain import markdown_summary, notify_reload, retrain_config, run_retrain
+from flows.tasks import as_task, publish_report
+from jobs.retrain import notify_reload, retrain_config, run_retrain
 from storage import Store
 
 
@@ -37,6 +35,5 @@ def retrain_flow(
     with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"]) as workers:
         summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, notify=notify,
                               lock_wait=lock_wait)
-    create_markdown_artifact(markdown=markdown_summary(summary), key="retrain-summary",
-                             description="fleet retrain run")
+    publish_report(summary, "retrain-summary", "fleet retrain run")
     return summary

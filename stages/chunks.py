@@ -44,6 +44,7 @@ from cartridges.core.errors import CorpusError
 from cartridges.selfstudy import spans
 from schemas import CHUNKS, ChunkConfig, ConfigError
 from stages.ingest import tokenizer_identity
+from stages.job import Job
 from storage import Artifact, StageContext, StageResult, Store, StoreError, done_shards
 
 NAME = "chunks"
@@ -204,13 +205,12 @@ def _columns(store: Store, documents: Artifact | StageResult, columns: list[str]
     return out
 
 
-def run(store: Store, documents: Artifact | StageResult, tokenizer,
-        config: ChunkConfig = DEFAULT_CONFIG, force: bool = False, run_id: str | None = None,
-        tokenizer_id: str | None = None) -> StageResult:
+def run(job: Job, config: ChunkConfig, documents: Artifact | StageResult) -> StageResult:
     """Plan train and held-out chunks over an ingest artifact; skipped when nothing changed."""
+    store, tokenizer = job.store, job.tokenizer
     docs = _columns(store, documents, ["doc_id", "tokens"])
     planned = plan_spans([(d["doc_id"], d["tokens"]) for d in docs], config)
-    fp_config = {**config.to_dict(), "tokenizer": tokenizer_id or tokenizer_identity(tokenizer)}
+    fp_config = {**config.to_dict(), "tokenizer": job.model_id or tokenizer_identity(tokenizer)}
 
     def work(ctx: StageContext) -> None:
         done = ctx.done_shards()
@@ -235,4 +235,4 @@ def run(store: Store, documents: Artifact | StageResult, tokenizer,
                 r["token_ids"] = token_ids[r["doc_id"]][r["start"]: r["end"]]
             ctx.write_shard(i, pa.Table.from_pylist(rows, schema=CHUNKS))
 
-    return store.run(NAME, VERSION, fp_config, [documents], work, force=force, run_id=run_id)
+    return store.run(NAME, VERSION, fp_config, [documents], work, force=job.forced(NAME), run_id=job.run_id)

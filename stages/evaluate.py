@@ -44,21 +44,13 @@ from stages.progress import progress
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 5  # 2: per-question answers.jsonl; 3: plain option text after the bare question; 4: knorm re-rotated,
-# snapkv; 5: the correct option's NLL per question, closures with bootstrap intervals
+VERSION = 5
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "snapkv", "first")
 REUSABLE = ("bare", "icl", "full_kv", *PEERS)
 CLOSURES = ("icl_gap_closure", "icl_gap_closure_nll", "oracle_gap_closure", "oracle_gap_closure_nll")
 ARM_STAGE, ARM_FILE = "eval_arm", "scored.json"
 SCORED_FIELDS = ("correct", "correct_gen", "hit_limit", "nll", "gold_nll", "kv_rows", "reply")
-KVPRESS_NOTE = (
-    "kvpress presses (SnapKV, expected attention, knorm) not run: kvpress 0.5.5 requires "
-    "transformers<5.3, and with the installed transformers its forward hook fails with "
-    "KeyError 'past_key_values' (attention layers now receive the cache as `cache` and no "
-    "`cache_position`); knorm, SnapKV (question-agnostic) and first-rows are reimplemented "
-    "on the cartridge path instead"
-)
 
 
 def _sha(path: Path) -> str:
@@ -135,7 +127,7 @@ class Inputs:
             rows = compose_rows(self.parts)
             arms.append(Arm("cartridge", key=lambda q: "", rows=lambda q: rows))
         if self.parts and self.docs and peers:
-            arms.append(Arm("knorm", key=key, rows=lambda q: self.knorm(key(q)), notes=[KVPRESS_NOTE]))
+            arms.append(Arm("knorm", key=key, rows=lambda q: self.knorm(key(q))))
             arms.append(Arm("snapkv", key=key, rows=lambda q: self.snapkv(key(q))))
             arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), self.budget)))
         return arms
@@ -280,6 +272,57 @@ def scored_arm(store: Store, lm: LoadedModel, arm: Arm, used: list[Question], ma
     return [Scored(q, **row) for q, row in zip(used, data["rows"], strict=True)], data["ttft"], True
 
 
+def score_arms(store: Store, lm: LoadedModel, plan: list[Arm], used: list[Question], max_new: int, config: dict,
+               budget: int | None, force: bool, run_id: str | None, log) -> tuple[dict, dict, list, list]:
+    """Each arm's summary, its scored answers, the per-question rows, and the arms reused."""
+    arms, by_arm, answers, reused = {}, {}, [], []
+    for arm in plan:
+        log(f"eval: arm {arm.name} ({len(used)} questions)")
+        scored, ttft, skipped = scored_arm(store, lm, arm, used, max_new, config, budget, force, run_id)
+        if skipped:
+            reused.append(arm.name)
+        arms[arm.name], by_arm[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes), scored
+        answers += [{"arm": arm.name, "line": s.question.line, "doc": s.question.doc,
+                     "region": s.question.region, "question": s.question.question,
+                     "correct": s.correct, "correct_gen": s.correct_gen, "reply": s.reply,
+                     "nll": s.nll, "gold_nll": s.gold_nll} for s in scored]
+    return arms, by_arm, answers, reused
+
+
+def run_notes(problems: list[str], reused: list[str], truncated: dict[str, int], window: int) -> list[str]:
+    notes = [f"{problem} (skipped)" for problem in problems]
+    if reused:
+        notes.append(f"arms reused from an identical earlier scoring (TTFT as measured then): {', '.join(reused)}")
+    notes += [f"ICL context of {d} cut by {n} tokens to fit the {window}-token window"
+              for d, n in truncated.items() if n]
+    return notes
+
+
+def closures(by_arm: dict, main: str, multiple_choice: bool) -> dict:
+    """How much of the gap to in-context (and, for fleets, to the oracle pick) `main` closes,
+    in accuracy and in the correct option's NLL."""
+    out = {}
+    for prefix, candidate in (("icl", main), ("oracle", "fleet_oracle")):
+        if prefix == "oracle" and candidate not in by_arm:
+            continue
+        out[f"{prefix}_gap_closure"] = {**closure(by_arm, candidate), "arm": candidate}
+        out[f"{prefix}_gap_closure_nll"] = (
+            {**closure(by_arm, candidate, "gold_nll"), "arm": candidate} if multiple_choice else
+            {"value": None, "reason": "no multiple-choice questions", "metric": "gold_nll", "ci": None,
+             "arm": candidate})
+    return out
+
+
+def write_outputs(ctx: StageContext, result: dict, answers: list[dict], run_id: str) -> None:
+    """The `evals` rows, result.json, answers.jsonl, report.md and chart.png."""
+    ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id, result), schema=EVALS))
+    ctx.write_file("result.json", json.dumps(result, indent=1).encode())
+    ctx.write_file("answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers).encode())
+    ctx.write_file("report.md", markdown_report(result).encode())
+    with ctx.atomic_path("chart.png") as tmp:
+        chart_png(result, tmp)
+
+
 def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], problems: list[str],
         cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True,
         force: bool = False, run_id: str | None = None, log=print, fleet_dir: str | None = None) -> dict:
@@ -305,30 +348,14 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
                               f"({', '.join(docs)})")
         inputs = Inputs(lm, cartridges, docs, fleet)
-        arms, by_arm, answers = {}, {}, []
         plan = inputs.arms(peers)
         if fleet is not None:
             extra, why = inputs.fleet_arms(used)
             plan += extra
             notes += why
-        reused = []
-        for arm in plan:
-            log(f"eval: arm {arm.name} ({len(used)} questions)")
-            scored, ttft, skipped = scored_arm(store, lm, arm, used, max_new, config, inputs.budget, force, run_id)
-            if skipped:
-                reused.append(arm.name)
-            arms[arm.name], by_arm[arm.name] = summarize_arm(lm, arm.name, scored, ttft, arm.notes), scored
-            answers += [{"arm": arm.name, "line": s.question.line, "doc": s.question.doc,
-                         "region": s.question.region, "question": s.question.question,
-                         "correct": s.correct, "correct_gen": s.correct_gen, "reply": s.reply,
-                         "nll": s.nll, "gold_nll": s.gold_nll} for s in scored]
-        notes += [f"{problem} (skipped)" for problem in problems]
-        if reused:
-            notes.append(f"arms reused from an identical earlier scoring (TTFT as measured then): {', '.join(reused)}")
-        notes += [f"ICL context of {d} cut by {n} tokens to fit the {lm.context_length}-token window"
-                  for d, n in inputs.truncated.items() if n]
-        if "knorm" in arms:
-            notes.append(KVPRESS_NOTE)
+        arms, by_arm, answers, reused = score_arms(store, lm, plan, used, max_new, config, inputs.budget, force,
+                                                   run_id, log)
+        notes += run_notes(problems, reused, inputs.truncated, lm.context_length)
         if fleet is not None:
             named = [q for q in used if q.doc]
             if named:
@@ -340,22 +367,9 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             questions=len(used), arms=arms, notes=notes,
             compression=(arms["icl"]["kv_rows"] / arms[main]["kv_rows"]
                          if "icl" in arms and main in arms else None),
+            **closures(by_arm, main, any(q.multiple_choice for q in used)),
         )
-        mc = any(q.multiple_choice for q in used)
-        for prefix, candidate in (("icl", main), ("oracle", "fleet_oracle")):
-            if prefix == "oracle" and candidate not in arms:
-                continue
-            result[f"{prefix}_gap_closure"] = {**closure(by_arm, candidate), "arm": candidate}
-            result[f"{prefix}_gap_closure_nll"] = (
-                {**closure(by_arm, candidate, "gold_nll"), "arm": candidate} if mc else
-                {"value": None, "reason": "no multiple-choice questions", "metric": "gold_nll", "ci": None,
-                 "arm": candidate})
-        ctx.write_shard(0, pa.Table.from_pylist(_evals_rows(run_id or ctx.artifact.id, result), schema=EVALS))
-        ctx.write_file("result.json", json.dumps(result, indent=1).encode())
-        ctx.write_file("answers.jsonl", "".join(json.dumps(a) + "\n" for a in answers).encode())
-        ctx.write_file("report.md", markdown_report(result).encode())
-        with ctx.atomic_path("chart.png") as tmp:
-            chart_png(result, tmp)
+        write_outputs(ctx, result, answers, run_id or ctx.artifact.id)
 
     out = store.run(NAME, VERSION, config, [], work, force=force, run_id=run_id)
     directory = store.dir(out)

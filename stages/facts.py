@@ -13,8 +13,9 @@ import pyarrow as pa
 
 from cartridges.selfstudy import facts
 from schemas import SENTENCES
+from stages.job import Job
 from stages.teacher import usable
-from storage import Artifact, StageContext, StageResult, Store
+from storage import Artifact, StageContext, StageResult
 
 NAME = "facts"
 VERSION = 1
@@ -38,10 +39,12 @@ def fact_coverage(rows: list[dict]) -> float:
     return sum(r["conversations"] > 0 for r in rows) / max(1, len(rows))
 
 
-def run(store: Store, documents: Artifact | StageResult, conversations: Artifact | StageResult,
-        force: bool = False, run_id: str | None = None) -> StageResult:
-    """Write the `sentences` table for a synthesis artifact; skipped when neither input changed."""
-    config = {"min_shared": facts.MIN_SHARED, "share": facts.SHARE}
+def run(job: Job, config: None, documents: Artifact | StageResult,
+        conversations: Artifact | StageResult) -> StageResult:
+    """Write the `sentences` table for a synthesis artifact; skipped when neither input changed.
+    The rule's constants are its config (`config` is None: no section of its own)."""
+    store = job.store
+    rule = {"min_shared": facts.MIN_SHARED, "share": facts.SHARE}
 
     def work(ctx: StageContext) -> None:
         if ctx.done_shards():
@@ -52,4 +55,5 @@ def run(store: Store, documents: Artifact | StageResult, conversations: Artifact
         filtered = bool(conversations.config.get("filter", True))
         ctx.write_shard(0, pa.Table.from_pylist(sentence_rows(docs, convs, filtered), schema=SENTENCES))
 
-    return store.run(NAME, VERSION, config, [documents, conversations], work, force=force, run_id=run_id)
+    return store.run(NAME, VERSION, rule, [documents, conversations], work, force=job.forced(NAME),
+                     run_id=job.run_id)

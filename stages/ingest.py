@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from cartridges.core.corpus import expand, read_text
 from cartridges.core.errors import CorpusError
 from schemas import DOCUMENTS, IngestConfig
+from stages.job import Job
 from storage import StageContext, StageResult, Store, StoreError, done_shards
 from storage.faults import fault_point
 
@@ -147,15 +148,14 @@ def _batches(files: list[SourceFile]) -> list[list[SourceFile]]:
     return batches
 
 
-def run(store: Store, paths: list[str | Path], tokenizer,
-        config: IngestConfig = DEFAULT_CONFIG, force: bool = False, run_id: str | None = None,
-        tokenizer_id: str | None = None) -> StageResult:
-    """Ingest ``paths`` (files and directories); skipped when names, content and tokenizer match."""
-    files = collect(paths, config)
+def run(job: Job, config: IngestConfig = DEFAULT_CONFIG) -> StageResult:
+    """Ingest the job's corpus (files and directories); skipped when names, content and tokenizer match."""
+    store, tokenizer = job.store, job.tokenizer
+    files = collect(list(job.corpus), config)
     # The config itself stays out: the file list already reflects it, and raising
     # max_bytes must not retrain everything downstream of an unchanged corpus.
     fp_config = {
-        "tokenizer": tokenizer_id or tokenizer_identity(tokenizer),
+        "tokenizer": job.model_id or tokenizer_identity(tokenizer),
         "documents": [[f.name, f.sha256] for f in files],
     }
     # Read before Store.run: a forced rerun clears this fingerprint's own directory.
@@ -173,4 +173,4 @@ def run(store: Store, paths: list[str | Path], tokenizer,
                 fault_point(f"ingest.shard.{index}")
             start += len(batch)
 
-    return store.run(NAME, VERSION, fp_config, [], work, force=force, run_id=run_id)
+    return store.run(NAME, VERSION, fp_config, [], work, force=job.forced(NAME), run_id=job.run_id)

@@ -38,8 +38,10 @@ from cartridges.selfstudy.seeds import (
 )
 from cartridges.selfstudy.spans import keyed_seed
 from schemas import TABLES, SynthConfig, validate_table
-from stages.fanout import Fanout, report_resumed_shards
-from storage import StageContext, Store
+from stages.fanout import report_resumed_shards
+from stages.job import Job
+from stages.progress import progress as progress_bar
+from storage import StageContext, StageResult
 from storage.faults import fault_point
 
 NAME = "synthesize"
@@ -173,15 +175,16 @@ def synth_shard(job: dict) -> int:
     return len(rows)
 
 
-def run(
-    store: Store, lm: LoadedModel, documents, chunks, config: SynthConfig = SynthConfig(),
-    model_id: str = "", force: bool = False, run_id: str | None = None,
-    progress: Callable[[int], None] | None = None, fanout: Fanout | None = None,
-):
-    """Conversations for every planned chunk, sharded by `gen_batch`; `fanout` sends shards to workers.
+def run(job: Job, config: SynthConfig, documents, chunks) -> StageResult:
+    """Conversations for every planned chunk, sharded by `gen_batch`; the job's fanout sends shards
+    to workers. The progress bar counts the planned conversations, those of shards an earlier run
+    finished first, so it ends full on a resumed run too."""
+    with progress_bar(chunks.rows, "self-study", "conv") as bar:
+        return _run(job, config, documents, chunks, bar.update)
 
-    `progress` is told the conversations of each in-process shard, and first those of the shards an
-    earlier run finished, so a bar over the planned count ends full on a resumed run too."""
+
+def _run(job: Job, config: SynthConfig, documents, chunks, progress: Callable[[int], None]) -> StageResult:
+    store, lm, fanout = job.store, job.model, job.fanout
 
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
@@ -211,5 +214,5 @@ def run(
         if jobs:
             fanout.map(synth_shard, jobs)
 
-    cfg = {**config.to_dict(), "model": model_id}
-    return store.run(NAME, VERSION, cfg, [documents, chunks], work, force=force, run_id=run_id)
+    cfg = {**config.to_dict(), "model": job.model_id or ""}
+    return store.run(NAME, VERSION, cfg, [documents, chunks], work, force=job.forced(NAME), run_id=job.run_id)

@@ -21,8 +21,10 @@ from cartridges.core.models import LoadedModel
 from cartridges.core.sharing import SHARE_MIN
 from cartridges.core.targets import cut_at_mass, teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
-from stages.fanout import Fanout, report_resumed_shards
-from storage import StageContext, Store
+from stages.fanout import report_resumed_shards
+from stages.job import Job
+from stages.progress import progress as progress_bar
+from storage import StageContext, StageResult
 from storage.faults import fault_point
 
 NAME = "teacher"
@@ -93,12 +95,17 @@ def teacher_shard(job: dict) -> int:
     return len(rows)
 
 
-def run(
-    store: Store, lm: LoadedModel, conversations, config: TeacherConfig = TeacherConfig(),
-    model_id: str = "", force: bool = False, run_id: str | None = None,
-    progress: Callable[[int], None] | None = None, fanout: Fanout | None = None,
-):
-    """Targets for every usable conversation, `SHARD` per shard; `fanout` sends shards to workers."""
+def run(job: Job, config: TeacherConfig, conversations) -> StageResult:
+    """Targets for every usable conversation, `SHARD` per shard; the job's fanout sends shards to workers."""
+    filtered = bool(conversations.config.get("filter", True))
+    columns = ["teacher_ids", "answer_start", "a_ok", "b_ok"]
+    answered = sum(usable(c, filtered) for c in job.store.table(conversations).select(columns).to_pylist())
+    with progress_bar(answered, "teacher", "conv") as bar:
+        return _run(job, config, conversations, bar.update)
+
+
+def _run(job: Job, config: TeacherConfig, conversations, progress: Callable[[int], None]) -> StageResult:
+    store, lm, fanout = job.store, job.model, job.fanout
 
     def work(ctx: StageContext) -> None:
         filtered = bool(conversations.config.get("filter", True))
@@ -124,5 +131,5 @@ def run(
         if jobs:
             fanout.map(teacher_shard, jobs)
 
-    cfg = {**config.to_dict(), "model": model_id}
-    return store.run(NAME, VERSION, cfg, [conversations], work, force=force, run_id=run_id)
+    cfg = {**config.to_dict(), "model": job.model_id or ""}
+    return store.run(NAME, VERSION, cfg, [conversations], work, force=job.forced(NAME), run_id=job.run_id)

@@ -24,7 +24,9 @@ from cartridges.core.files import load_cartridge, load_optimizer, save_cartridge
 from cartridges.core.models import LoadedModel
 from cartridges.core.train import Example, group_backward, lr_at, make_optimizer, mean_loss
 from schemas import TABLES, TrainConfig, validate_table
-from storage import StageContext, Store
+from stages.job import Job
+from stages.progress import progress as progress_bar
+from storage import StageContext, StageResult, Store
 from storage.atomic import write_json_atomic
 from storage.faults import fault_point
 
@@ -133,11 +135,20 @@ def _checkpoint(ctx_dir: Path, lm, cart, opt, step: int, log: list, before, corp
             old.unlink()
 
 
-def run(
-    store: Store, lm: LoadedModel, documents, conversations, targets, config: TrainConfig = TrainConfig(),
-    model_id: str = "", force: bool = False, run_id: str | None = None,
-    progress: Callable[[dict], None] | None = None,
-):
+def run(job: Job, config: TrainConfig, documents, conversations, targets) -> StageResult:
+    """The trained cartridge; a progress bar follows the steps and the loss."""
+    with progress_bar(None, "train", "step") as bar:
+        def on_step(row: dict) -> None:
+            bar.total = row["of"]
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # drawn with the next line
+        return _run(job, config, documents, conversations, targets, on_step)
+
+
+def _run(job: Job, config: TrainConfig, documents, conversations, targets,
+         progress: Callable[[dict], None]) -> StageResult:
+    store, lm, run_id = job.store, job.model, job.run_id
+
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
         train, heldout = load_examples(ctx.read(conversations), ctx.read(targets))
@@ -147,8 +158,9 @@ def run(
         steps = pa.Table.from_pylist(result["log"], schema=TABLES["train_steps"])
         ctx.write_shard(0, validate_table("train_steps", steps))
 
-    cfg = {**config.to_dict(), "model": model_id}
-    return store.run(NAME, VERSION, cfg, [documents, conversations, targets], work, force=force, run_id=run_id)
+    cfg = {**config.to_dict(), "model": job.model_id or ""}
+    return store.run(NAME, VERSION, cfg, [documents, conversations, targets], work, force=job.forced(NAME),
+                     run_id=run_id)
 
 
 def summary_of(store: Store, artifact) -> dict:

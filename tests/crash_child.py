@@ -8,7 +8,7 @@ import sys
 import torch
 
 import cli.main  # noqa: F401  (imported before forking, so children start warm)
-import stages.fleet  # noqa: F401
+import jobs.fleet  # noqa: F401
 
 
 def main(argv: list[str], env: dict[str, str], log: str) -> None:

@@ -149,9 +149,9 @@ def run_smoke(root: Path = ROOT) -> dict:
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
+    from jobs.fleet import run_fleet
+    from jobs.pipeline import run_pipeline
     from schemas.presets import fleet_preset, preset
-    from stages.fleet import run_fleet
-    from stages.pipeline import run_pipeline
     from storage import Store
     from tests.tiny import tiny_llama
 
@@ -163,7 +163,7 @@ def run_smoke(root: Path = ROOT) -> dict:
         (docs / name).write_text(text)
     quiet = lambda _: None  # noqa: E731
     lm = tiny_llama()
-    run_pipeline(Store(root / "store"), lm, [corpus], preset("smoke", {"synth": {"filter": False}}), log=quiet)
+    run_pipeline(Store(root / "store"), lm, [corpus], preset("smoke", {"synth": {"filter": False}}))
     run_fleet(Store(root / "store"), lm, [docs], root / "fleet", fleet_preset("smoke"), log=quiet)
     return digest(root / "store", {"fleet": root / "fleet"})
 

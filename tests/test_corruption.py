@@ -22,9 +22,9 @@ from cartridges.core.files import check_fits, load_cartridge, load_optimizer, sa
 from cartridges.core.train import make_optimizer
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
+from jobs.fleet import run_fleet
 from schemas import TABLES
 from schemas.presets import fleet_preset
-from stages.fleet import run_fleet
 from storage import Store, StoreError, shards
 from storage.faults import ENV
 from tests.crash import check_store, fleet_state

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from cartridges.core.models import load_model
+from jobs.fleet import run_fleet
+from jobs.pipeline import run_pipeline
 from schemas.presets import fleet_preset, preset
-from stages.fleet import run_fleet
-from stages.pipeline import run_pipeline
 from storage import Store
 from tests.test_fleet_run import contents_of, quiet, write_docs
 from tests.test_pipeline import CORPUS
@@ -37,7 +37,7 @@ def test_synthesis_and_teacher_shards_on_two_dask_workers_equal_the_in_process_r
     common = {"corpus": [str(corpus)], "model": str(tiny_model_dir), "preset": "smoke",
               "config": {"synth": {"filter": False, "gen_batch": 4}}}
     local = run_pipeline(Store(tmp_path / "local"), load_model(str(tiny_model_dir)), [corpus],
-                         preset("smoke", common["config"]), log=quiet)
+                         preset("smoke", common["config"]))
     spread = cartridge_flow(**common, store_root=str(tmp_path / "dask"), task_runner="dask",
                             dask_address=cluster.scheduler_address)
     convs = table(tmp_path / "local", "synthesize")

@@ -292,8 +292,8 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
 
 
 def test_fleet_eval_has_retrieval_and_oracle_arms(tiny_lm, tmp_path):
+    from jobs.fleet import run_fleet
     from schemas.presets import fleet_preset
-    from stages.fleet import run_fleet
     from tests.test_fleet_run import write_docs
 
     docs = write_docs(tmp_path / "docs")

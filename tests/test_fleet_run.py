@@ -11,8 +11,8 @@ from cartridges.core.errors import FleetError
 from cartridges.core.health import training_health
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
+from jobs.fleet import run_fleet
 from schemas.presets import fleet_preset
-from stages.fleet import run_fleet
 from storage import Store, query
 from tests.tiny import tiny_llama
 

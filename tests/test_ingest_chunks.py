@@ -15,8 +15,14 @@ from cartridges.selfstudy import spans
 from schemas import SEED_TYPES, ChunkConfig, IngestConfig
 from stages import chunks, ingest
 from stages.chunks import HELDOUT_ID_BASE, heldout_reserve, plan_chunks, plan_spans, train_coverage
+from stages.job import Job
 from storage import Store
 from tests.tiny import tiny_tokenizer
+
+
+def job(store: Store, tok, paths=(), **kwargs) -> Job:
+    """A job with only a tokenizer: ingest and chunks run no model."""
+    return Job(store, corpus=tuple(paths), tokenizer=tok, **kwargs)
 
 WORDS = "deflate window huffman literal length distance block stored fixed dynamic".split()
 
@@ -59,7 +65,7 @@ def _complete(store: Store, stage: str) -> list:
 
 
 def test_ingest_directory(store, corpus, tok):
-    result = ingest.run(store, [corpus], tok)
+    result = ingest.run(job(store, tok, [corpus]))
     assert not result.skipped and result.status == "complete" and result.rows == 3
     docs = _docs(store, result)
     assert [d["doc_id"] for d in docs] == [0, 1, 2]
@@ -74,38 +80,38 @@ def test_ingest_directory(store, corpus, tok):
 
 
 def test_ingest_files_in_sorted_path_order(store, corpus, tok):
-    result = ingest.run(store, [corpus / "b.md", str(corpus / "a.txt")], tok)
+    result = ingest.run(job(store, tok, [corpus / "b.md", str(corpus / "a.txt")]))
     docs = _docs(store, result)
     assert [(d["doc_id"], d["name"]) for d in docs] == [(0, "a.txt"), (1, "b.md")]
 
 
 def test_unchanged_rerun_is_skipped_even_when_touched(store, corpus, tok):
-    first = ingest.run(store, [corpus], tok)
+    first = ingest.run(job(store, tok, [corpus]))
     (corpus / "a.txt").write_text((corpus / "a.txt").read_text())  # new mtime, same bytes
-    again = ingest.run(store, [corpus], tok)
+    again = ingest.run(job(store, tok, [corpus]))
     assert again.skipped and again.id == first.id
-    assert ingest.run(store, [corpus], tok, force=True).id == first.id
+    assert ingest.run(job(store, tok, [corpus], force=frozenset({"ingest"}))).id == first.id
     assert [d["version"] for d in _docs(store, first)] == [1, 1, 1]
 
 
 def test_tokenizer_identity_is_part_of_the_fingerprint(store, corpus, tok):
-    first = ingest.run(store, [corpus], tok, tokenizer_id="model-a")
-    assert ingest.run(store, [corpus], tok, tokenizer_id="model-a").skipped
-    other = ingest.run(store, [corpus], tok, tokenizer_id="model-b")
+    first = ingest.run(job(store, tok, [corpus], model_id="model-a"))
+    assert ingest.run(job(store, tok, [corpus], model_id="model-a")).skipped
+    other = ingest.run(job(store, tok, [corpus], model_id="model-b"))
     assert not other.skipped and other.id != first.id
     assert ingest.tokenizer_identity(tok) == ingest.tokenizer_identity(tiny_tokenizer())
 
 
 def test_changed_file_gets_new_artifact_and_version(store, corpus, tok):
-    first = ingest.run(store, [corpus], tok)
+    first = ingest.run(job(store, tok, [corpus]))
     (corpus / "b.md").write_text(_text(3000, 5))
-    second = ingest.run(store, [corpus], tok)
+    second = ingest.run(job(store, tok, [corpus]))
     assert not second.skipped and second.id != first.id
     versions = {d["name"]: d["version"] for d in _docs(store, second)}
     assert versions == {"a.txt": 1, "b.md": 2, "sub/c.md": 1}
     (corpus / "b.md").write_text(_text(3000, 6))
     (corpus / "new.md").write_text(_text(500, 7))
-    third = ingest.run(store, [corpus], tok)
+    third = ingest.run(job(store, tok, [corpus]))
     versions = {d["name"]: d["version"] for d in _docs(store, third)}
     assert versions == {"a.txt": 1, "b.md": 3, "new.md": 1, "sub/c.md": 1}
     assert len(_complete(store, "ingest")) == 3
@@ -139,7 +145,7 @@ def _bad_inputs(tmp: Path) -> list[tuple[list, IngestConfig, str]]:
 def test_bad_inputs_raise_before_any_artifact(store, tmp_path, tok):
     for paths, config, message in _bad_inputs(tmp_path / "bad"):
         with pytest.raises(CorpusError, match=message):
-            ingest.run(store, paths, tok, config)
+            ingest.run(job(store, tok, paths), config)
         assert store.latest("ingest") is None
         assert store.catalog.artifacts("ingest") == []
 
@@ -147,7 +153,7 @@ def test_bad_inputs_raise_before_any_artifact(store, tmp_path, tok):
 def test_bad_file_among_good_ones_names_it(store, corpus, tok):
     (corpus / "zz.md").write_bytes(b"\xff\xfe bad bytes")
     with pytest.raises(CorpusError, match=r"zz\.md: not valid UTF-8"):
-        ingest.run(store, [corpus], tok)
+        ingest.run(job(store, tok, [corpus]))
     assert store.catalog.artifacts("ingest") == []
 
 
@@ -403,8 +409,8 @@ def test_sampled_heldout_spans_come_from_their_own_keyed_rng_anywhere_in_the_doc
 
 def test_chunks_stage_skips_and_recomputes(store, corpus, tok):
     cfg = ChunkConfig(conversations=12, heldout=3, chunk_min=64, chunk_max=128)
-    docs = ingest.run(store, [corpus], tok)
-    first = chunks.run(store, docs, tok, cfg)
+    docs = ingest.run(job(store, tok, [corpus]))
+    first = chunks.run(job(store, tok), cfg, docs)
     assert not first.skipped and first.rows == 15
     rows = store.table(first).to_pylist()
     texts = {d["doc_id"]: d["text"] for d in _docs(store, docs)}
@@ -415,11 +421,11 @@ def test_chunks_stage_skips_and_recomputes(store, corpus, tok):
          for d, t in texts.items()], cfg)
     assert rows == plan
 
-    docs_again = ingest.run(store, [corpus], tok)
-    again = chunks.run(store, docs_again, tok, cfg)
+    docs_again = ingest.run(job(store, tok, [corpus]))
+    again = chunks.run(job(store, tok), cfg, docs_again)
     assert docs_again.skipped and again.skipped and again.id == first.id
 
-    wider = chunks.run(store, ingest.run(store, [corpus], tok), tok, cfg.replace(chunk_max=200))
+    wider = chunks.run(job(store, tok), cfg.replace(chunk_max=200), ingest.run(job(store, tok, [corpus])))
     assert not wider.skipped and wider.id != first.id
     assert max(r["tokens"] for r in store.table(wider).to_pylist()) <= 200
     assert store.latest("ingest").id == docs.id
@@ -428,16 +434,16 @@ def test_chunks_stage_skips_and_recomputes(store, corpus, tok):
 
 def test_chunks_follow_a_changed_corpus(store, corpus, tok):
     cfg = ChunkConfig(conversations=8, heldout=2, chunk_min=64, chunk_max=128)
-    first = chunks.run(store, ingest.run(store, [corpus], tok), tok, cfg)
+    first = chunks.run(job(store, tok), cfg, ingest.run(job(store, tok, [corpus])))
     (corpus / "a.txt").write_text(_text(2000, 9))
-    second = chunks.run(store, ingest.run(store, [corpus], tok), tok, cfg)
+    second = chunks.run(job(store, tok), cfg, ingest.run(job(store, tok, [corpus])))
     assert not second.skipped and second.id != first.id
 
 
 def test_corpus_too_short_for_a_tail_leaves_no_artifact_but_samples_fine(store, tmp_path, tok):
     (tmp_path / "short.md").write_text("only a few words")
-    docs = ingest.run(store, [tmp_path / "short.md"], tok)
+    docs = ingest.run(job(store, tok, [tmp_path / "short.md"]))
     with pytest.raises(CorpusError, match="too short for a held-out set.*512 tokens"):
-        chunks.run(store, docs, tok, ChunkConfig(heldout_region="tail"))
+        chunks.run(job(store, tok), ChunkConfig(heldout_region="tail"), docs)
     assert store.catalog.artifacts("chunks") == []
-    assert chunks.run(store, docs, tok).rows == ChunkConfig().conversations + ChunkConfig().heldout
+    assert chunks.run(job(store, tok), ChunkConfig(), docs).rows == ChunkConfig().conversations + ChunkConfig().heldout

@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cartridges.core.errors import CorpusError
+from jobs.fleet import fleet_files
 from schemas import IngestConfig
 from stages import ingest
-from stages.fleet import fleet_files
+from stages.job import Job
 from storage import Store
 from tests.tiny import tiny_tokenizer
 
@@ -124,5 +125,5 @@ def test_a_refused_file_writes_nothing(tmp_path):
     (corpus / "b.md").write_bytes(b"\xff\xfe\x00binary")
     store = Store(tmp_path / "store")
     with pytest.raises(CorpusError, match=r"b\.md: binary file"):
-        ingest.run(store, [corpus], TOKENIZER)
+        ingest.run(Job(store, corpus=(corpus,), tokenizer=TOKENIZER))
     assert store.catalog.artifacts() == []

@@ -7,9 +7,8 @@ import json
 import pytest
 
 from cartridges.core.chat import end_of_turn_ids
+from jobs.pipeline import run_pipeline
 from schemas.presets import preset
-from stages import pipeline
-from stages.pipeline import run_pipeline
 from storage import Store, query
 from storage.faults import InjectedFault
 from tests.tiny import tiny_llama
@@ -34,13 +33,13 @@ def smoke(**train):
 
 def test_pipeline_trains_and_an_unchanged_rerun_skips_every_stage(tmp_path, corpus):
     lm, store = tiny_llama(), Store(tmp_path / "store")
-    first = run_pipeline(store, lm, [corpus], smoke(), save=tmp_path / "out.safetensors", log=lambda _: None)
+    first = run_pipeline(store, lm, [corpus], smoke(), save=tmp_path / "out.safetensors")
     assert first["skipped"] == []
     assert first["conversations"] == 8 and first["planned_conversations"] == 10
     assert first["heldout_loss_before"] is not None and first["heldout_loss_after"] is not None
     assert (tmp_path / "out.safetensors").is_file()
     assert (first["coverage_min"], first["coverage_mean"]) == _coverage_counted(store, per_chunk=4)
-    again = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
+    again = run_pipeline(store, lm, [corpus], smoke())
     assert sorted(again["skipped"]) == sorted(["ingest", "chunks", "synthesize", "facts", "teacher", "train"])
     assert again["heldout_loss_after"] == first["heldout_loss_after"]
 
@@ -49,7 +48,7 @@ def test_sentences_table_lists_each_sentence_with_its_grounded_conversations(tmp
     from cartridges.selfstudy.facts import sentences
 
     lm, store = tiny_llama(), Store(tmp_path / "store")
-    summary = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
+    summary = run_pipeline(store, lm, [corpus], smoke())
     _, rows = query(store.root, "select doc_id, sentence, text, conversations from sentences order by sentence")
     assert [r[2] for r in rows] == sentences(CORPUS) and {r[0] for r in rows} == {0}
     assert [r[1] for r in rows] == list(range(len(rows)))
@@ -122,10 +121,11 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
 
 
 def _record_bars(monkeypatch) -> tuple[dict, dict]:
-    """The pipeline's progress bars by name, and the sizes of the updates each was given."""
+    """The stages' progress bars by name, and the sizes of the updates each was given."""
     import contextlib
     import io
 
+    from stages import synthesize, teacher, train
     from stages.progress import progress
 
     bars, updates = {}, {}
@@ -139,7 +139,8 @@ def _record_bars(monkeypatch) -> tuple[dict, dict]:
             bar.update = lambda n=1: (calls.append(n), inner(n))
             yield bar
 
-    monkeypatch.setattr(pipeline, "progress", recording_bar)
+    for stage in (synthesize, teacher, train):
+        monkeypatch.setattr(stage, "progress_bar", recording_bar)
     return bars, updates
 
 
@@ -247,7 +248,7 @@ def test_teacher_reads_bot_bs_kept_targets_and_draft_ref_embeds_the_corpus(tmp_p
 
     lm, store = tiny_llama(), Store(tmp_path / "store")
     cfg = preset("smoke", {"synth": {"filter": False}, "train": {"draft_ref": True}})
-    summary = run_pipeline(store, lm, [corpus], cfg, save=tmp_path / "out.safetensors", log=lambda _: None)
+    summary = run_pipeline(store, lm, [corpus], cfg, save=tmp_path / "out.safetensors")
     convs = store.table(store.latest("synthesize")).to_pylist()
     assert all(c["answer_topk_ids"] for c in convs if c["a_tokens"])  # bot B kept its targets
     # The stage's table equals a forward over every conversation (kept entries dropped).

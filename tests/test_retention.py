@@ -9,8 +9,8 @@ import pytest
 
 from cartridges.fleet import Fleet
 from cli.main import main
+from jobs.retrain import run_retrain
 from schemas.presets import fleet_preset
-from stages.retrain import run_retrain
 from storage import Store
 from storage.retention import tree_bytes
 from storage.versions import current, new_version, publish, version_dirs

@@ -12,9 +12,9 @@ import pytest
 
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
+from jobs.fleet import run_fleet
+from jobs.retrain import notify_reload, retrain_config, run_retrain
 from schemas.presets import fleet_preset
-from stages.fleet import run_fleet
-from stages.retrain import notify_reload, retrain_config, run_retrain
 from storage import Store, query
 from storage.versions import current, new_version, prune_versions, publish
 from tests.test_fleet_run import quiet, write_docs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.pipeline import run_pipeline
+from jobs.pipeline import run_pipeline
 from storage import Store, query
 from tests.test_pipeline import CORPUS, smoke
 from tests.tiny import tiny_llama
@@ -14,8 +14,8 @@ def test_a_rerun_reports_every_stage_skipped_as_unchanged_with_the_loss_curve(tm
     corpus = tmp_path / "corpus.md"
     corpus.write_text(CORPUS)
     store, lm = Store(tmp_path / "s"), tiny_llama()
-    first = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
-    second = run_pipeline(store, lm, [corpus], smoke(), log=lambda _: None)
+    first = run_pipeline(store, lm, [corpus], smoke())
+    second = run_pipeline(store, lm, [corpus], smoke())
     one = (tmp_path / "s" / "runs" / first["run_id"] / "summary.md").read_text()
     two = (tmp_path / "s" / "runs" / second["run_id"] / "summary.md").read_text()
     assert one.count("| ran |") == 6 and "skipped (unchanged)" not in one

@@ -15,6 +15,7 @@ from cartridges.core.errors import FleetError
 from cartridges.core.generate import generate
 from cartridges.fleet import Fleet
 from cli.main import main as cli_main
+from jobs.fleet import run_fleet
 from schemas.presets import fleet_preset
 from server.engine import Accepted, Engine
 from server.fleet_selector import (
@@ -28,7 +29,6 @@ from server.main import Server
 from server.options import ServeConfig
 from server.schema import ChatParams
 from server.selector import render_prompt
-from stages.fleet import run_fleet
 from storage import Store
 from tests.test_fleet_run import quiet, write_docs
 from tests.tiny import tiny_llama

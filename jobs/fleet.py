@@ -1,7 +1,7 @@
-"""The fleet job as plain function calls: documents -> per-document cartridges -> rounds -> index.
+"""The fleet job: documents -> per-document cartridges -> rounds -> index -> published manifest.
 
-`call` wraps each step; the Prefect flow `fleet` passes a wrapper that runs the step as
-a task, tests pass none. Nothing here knows about Prefect.
+`fleet_run` holds the run's record around the steps (`STEPS`); the Prefect flow `fleet`
+runs each step's pieces as tasks through `call`, `run_fleet` with plain calls.
 
 A fleet directory is created by a first run; later runs need `resume=True` and then
 (1) drop documents no longer given, (2) re-initialize documents whose content
@@ -13,13 +13,14 @@ whole fleet continues from its saved rows, moments, step counters and residents.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -40,13 +41,14 @@ from cartridges.fleet.manifest import (
 )
 from cartridges.fleet.residents import new_resident, save_resident
 from cartridges.selfstudy.spans import keyed_seed
+from jobs import Call, plain
+from jobs.report import write_run_report
 from schemas import TABLES, FleetConfig, IngestConfig, validate_table
 from stages import fleet_data, ingest
 from stages.fanout import Fanout
-from stages.fleet_report import markdown_summary
 from stages.fleet_train import FleetTrainer
+from stages.job import Job
 from stages.progress import progress
-from stages.run_report import write_run_report
 from storage import Store, shards
 from storage.errors import StoreError
 from storage.faults import fault_point
@@ -59,11 +61,6 @@ VERSION = 1
 # whole when a resumed run replays the round), recorded in the catalog and cleared at the end
 # of a run: rows of rounds a crashed run kept in a checkpoint are not lost.
 JOURNAL = ".train_steps"
-Call = Callable[..., Any]
-
-
-def _plain(fn: Callable, *args, **kwargs):
-    return fn(*args, **kwargs)
 
 
 def fleet_files(paths: list[str | Path], config: IngestConfig = IngestConfig()) -> list[Path]:
@@ -202,96 +199,168 @@ def eval_parts(doc_id: int, others: list[int], n: int, seed: int) -> tuple[list[
     return chosen, rng.randint(0, len(chosen))
 
 
+# The fleet job's steps, in order; `FleetRun.step(name, call)` runs one.
+STEPS = ("ingest", "prepare", "heldout", "rounds", "evaluate", "record", "index", "publish")
+
+
+class FleetRun:
+    """One run of the fleet job over a fleet directory: each step does one job and keeps what
+    the later steps need."""
+
+    def __init__(self, job: Job, directory: Path, config: FleetConfig, resume: bool,
+                 log: Callable[[str], None], eval_distractors: int) -> None:
+        self.job, self.directory, self.config, self.resume = job, directory, config, resume
+        self.log, self.eval_distractors = log, eval_distractors
+        self.summary: dict = {}
+
+    def step(self, name: str, call: Call = plain) -> None:
+        getattr(self, name)(call)
+
+    def ingest(self, call: Call) -> None:
+        art = call(ingest.run, self.job, self.config.ingest)
+        self.documents = self.job.store.table(art).to_pylist()
+
+    def prepare(self, call: Call) -> None:
+        """Create or reconcile the directory, then the documents every later step uses."""
+        lm = self.job.model
+        self.state = call(prepare, lm, self.documents, self.directory, self.config, self.resume, self.log,
+                          self.job.fanout)
+        self.manifest: Manifest = self.state["manifest"]
+        by_name = {d["name"]: d for d in self.documents}
+        token_ids = {d["name"]: list(lm.tokenizer(d["text"], add_special_tokens=False)["input_ids"])
+                     for d in self.documents}
+        self.docs_by_id = {e.doc_id: {"doc_id": e.doc_id, "name": e.name, "sha256": e.sha256,
+                                      "token_ids": token_ids[e.name], "text": by_name[e.name]["text"]}
+                           for e in self.manifest.documents}
+        self.evaluated = self.config.rounds > 0 or bool(self.state["initialized"])
+        self.trainer = FleetTrainer(self.directory, lm, self.manifest, self.config, self.state["trainable"],
+                                    self.state["residents"])
+        run_id = self.job.run_id
+        self.trainer.journal = lambda row: journal_row(self.directory, {"run_id": run_id, **row})
+
+    def heldout(self, call: Call) -> None:
+        """Each trainable document's held-out set, and the loss before training where it is new."""
+        self.heldout_sets: dict[int, list] = {}
+        if self.evaluated and self.config.heldout:
+            for doc_id in self.state["trainable"]:
+                art = call(fleet_data.heldout_data, self.job.store, self.job.model, self.docs_by_id[doc_id],
+                           self.config, self.job.model_id, self.job.run_id)
+                self.heldout_sets[doc_id] = fleet_data.examples(self.job.store, art)
+        for doc_id in self.state["trainable"]:
+            entry = self.manifest.by_id()[doc_id]
+            # new documents, and untrained ones whose first run died before a checkpoint kept the figure
+            if doc_id in self.state["initialized"] or (entry.steps == 0 and entry.heldout_before is None
+                                                       and self.evaluated):
+                entry.heldout_before = self.trainer.heldout_loss(doc_id, self.heldout_sets.get(doc_id, []))
+
+    def rounds(self, call: Call) -> None:
+        """The training rounds (each one's data and its step), then a checkpoint."""
+        self.rows: list[dict] = []
+        first = self.manifest.rounds
+        with progress(self.config.rounds, "fleet rounds", "round") as bar:
+            for r in range(first, first + self.config.rounds):
+                plan = self.trainer.plan(r)
+                art = call(fleet_data.round_data, self.job.store, self.job.model, plan,
+                           self.docs_by_id[plan.target], self.config, self.job.model_id, self.job.run_id)
+                row = call(self.trainer.train, plan, fleet_data.examples(self.job.store, art))
+                self.rows.append({"run_id": self.job.run_id, **row})
+                detail = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}" if row["tokens"]
+                          else "no usable conversations (all filtered): nothing trained")
+                self.log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  {detail}")
+                bar.update(1)
+        self.trainer.checkpoint()
+
+    def evaluate(self, call: Call) -> None:
+        """Per document: steps, held-out loss before and after (and co-loaded), health."""
+        self.per_doc = [self._document_report(entry) for entry in self.manifest.documents]
+
+    def _document_report(self, entry: DocEntry) -> dict:
+        item = {"name": entry.name, "doc_id": entry.doc_id, "steps": entry.steps,
+                "heldout_before": entry.heldout_before, "changed": entry.doc_id in self.state["initialized"],
+                "trained": any(entry.name in r["docs"] for r in self.rows)}
+        if self.evaluated and entry.doc_id in self.state["trainable"]:
+            examples = self.heldout_sets.get(entry.doc_id, [])
+            item["heldout_after"] = self.trainer.heldout_loss(entry.doc_id, examples)
+            if self.eval_distractors:
+                others = [d for d in self.trainer.entries if d != entry.doc_id]
+                chosen, pos = eval_parts(entry.doc_id, others, self.eval_distractors, self.config.seed)
+                item["heldout_coloaded"] = self.trainer.heldout_loss(entry.doc_id, examples, chosen, pos)
+            if item["trained"]:
+                item["health_reason"] = training_health([], item["heldout_before"], item["heldout_after"])
+        return item
+
+    def record(self, call: Call) -> None:
+        """The journaled rounds into the catalog's `train_steps` table, then the journal goes."""
+        recorded = journal_rows(self.directory, self.manifest.rounds, self.log)
+        if recorded:
+            call(record_steps, self.job.store, recorded, self.directory, self.config, self.job.run_id)
+            fault_point("fleet.steps.recorded")
+        shutil.rmtree(self.directory / JOURNAL, ignore_errors=True)
+
+    def index(self, call: Call) -> None:
+        self.manifest.index = call(index, self.job.model, list(self.docs_by_id.values()), self.directory,
+                                   self.config)
+
+    def publish(self, call: Call) -> None:
+        """The new manifest, then the files it no longer names removed."""
+        fault_point("fleet.publish.manifest")
+        write_manifest(self.directory, self.manifest)
+        fault_point("fleet.publish.prune")
+        prune(self.directory, self.manifest)
+
+    def finish(self, seconds: float) -> dict:
+        rows = self.rows
+        return {"kind": NAME, "run_id": self.job.run_id, "fleet": str(self.directory), "rounds_run": len(rows),
+                "rounds": self.manifest.rounds,
+                "residents": [self.trainer.entries[d].name for d in self.trainer.residents],
+                "removed": self.state["removed"], "documents": self.per_doc, "losses": [r["loss"] for r in rows],
+                "steps_table": rows, "index_chunks": self.manifest.index["n_chunks"],
+                "seconds": seconds, **self.job.model.dtype_record()}
+
+
+@contextmanager
+def fleet_run(
+    store: Store, lm: LoadedModel, docs: list[str | Path], directory: str | Path,
+    config: FleetConfig = FleetConfig(), resume: bool = False, log: Callable[[str], None] = print,
+    eval_distractors: int = 0, fanout: Fanout | None = None, lock_wait: float | None = 0.0,
+) -> Iterator[FleetRun]:
+    """The catalog run (and the directory's lock) around the steps made in the `with` body; on
+    leaving it, the summary (in `.summary`) and report are written and the run is closed.
+
+    One writer per fleet directory: another one holding it makes this wait up to `lock_wait`
+    seconds, then raise `storage.lock.Busy` naming it (`None`: the caller holds the lock already).
+    """
+    with contextlib.ExitStack() as held:
+        if lock_wait is not None:
+            held.enter_context(exclusive(directory, NAME, lock_wait))
+        directory = Path(directory)
+        files = fleet_files(docs, config.ingest)
+        run_id = store.catalog.start_run(NAME)
+        started = time.perf_counter()
+        with store.catalog.failing_run(run_id):
+            run = FleetRun(Job(store, lm, tuple(files), run_id, fanout=fanout), directory, config, resume, log,
+                           eval_distractors)
+            yield run
+            run.summary = run.finish(time.perf_counter() - started)
+            write_run_report(store, run.summary)
+            store.catalog.finish_run(run_id, "complete",
+                                     {k: v for k, v in run.summary.items() if k != "steps_table"})
+
+
 def run_fleet(
     store: Store, lm: LoadedModel, docs: list[str | Path], directory: str | Path,
-    config: FleetConfig = FleetConfig(), resume: bool = False, call: Call = _plain,
+    config: FleetConfig = FleetConfig(), resume: bool = False, call: Call = plain,
     log: Callable[[str], None] = print, eval_distractors: int = 0, fanout: Fanout | None = None,
     lock_wait: float | None = 0.0,
 ) -> dict:
     """Build, update or continue a fleet and its index; returns the run summary.
 
-    With `fanout`, new and changed documents are initialized on its workers. One writer per
-    fleet directory: another one holding it makes this wait up to `lock_wait` seconds, then raise
-    `storage.lock.Busy` naming it (`None`: the caller holds the lock already).
+    With `fanout`, new and changed documents are initialized on its workers.
     """
-    if lock_wait is not None:
-        with exclusive(directory, NAME, lock_wait):
-            return run_fleet(store, lm, docs, directory, config, resume, call, log, eval_distractors, fanout,
-                             lock_wait=None)
-    directory = Path(directory)
-    files = fleet_files(docs, config.ingest)
-    model_id = lm.compute_id
-    run_id = store.catalog.start_run(NAME)
-    started = time.perf_counter()
-    with store.catalog.failing_run(run_id):
-        docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest, tokenizer_id=model_id, run_id=run_id)
-        documents = store.table(docs_art).to_pylist()
-        state = call(prepare, lm, documents, directory, config, resume, log, fanout)
-        manifest: Manifest = state["manifest"]
-        by_name = {d["name"]: d for d in documents}
-        token_ids = {d["name"]: list(lm.tokenizer(d["text"], add_special_tokens=False)["input_ids"]) for d in documents}
-        docs_by_id = {e.doc_id: {"doc_id": e.doc_id, "name": e.name, "sha256": e.sha256,
-                                 "token_ids": token_ids[e.name], "text": by_name[e.name]["text"]}
-                      for e in manifest.documents}
-        evaluate = config.rounds > 0 or bool(state["initialized"])
-        heldout = {}
-        if evaluate and config.heldout:
-            for doc_id in state["trainable"]:
-                art = call(fleet_data.heldout_data, store, lm, docs_by_id[doc_id], config, model_id, run_id)
-                heldout[doc_id] = fleet_data.examples(store, art)
-        trainer = FleetTrainer(directory, lm, manifest, config, state["trainable"], state["residents"])
-        trainer.journal = lambda row: journal_row(directory, {"run_id": run_id, **row})
-        for doc_id in state["trainable"]:
-            entry = manifest.by_id()[doc_id]
-            # new documents, and untrained ones whose first run died before a checkpoint kept the figure
-            if doc_id in state["initialized"] or (entry.steps == 0 and entry.heldout_before is None and evaluate):
-                entry.heldout_before = trainer.heldout_loss(doc_id, heldout.get(doc_id, []))
-        rows = []
-        first = manifest.rounds
-        with progress(config.rounds, "fleet rounds", "round") as bar:
-            for r in range(first, first + config.rounds):
-                plan = trainer.plan(r)
-                art = call(fleet_data.round_data, store, lm, plan, docs_by_id[plan.target], config, model_id, run_id)
-                row = call(trainer.train, plan, fleet_data.examples(store, art))
-                rows.append({"run_id": run_id, **row})
-                detail = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}" if row["tokens"]
-                          else "no usable conversations (all filtered): nothing trained")
-                log(f"round {r:4d}  {row['visibility']:<12} {' + '.join(row['docs'])}  {detail}")
-                bar.update(1)
-        trainer.checkpoint()
-        per_doc = []
-        for entry in manifest.documents:
-            item = {"name": entry.name, "doc_id": entry.doc_id, "steps": entry.steps,
-                    "heldout_before": entry.heldout_before, "changed": entry.doc_id in state["initialized"],
-                    "trained": any(entry.name in r["docs"] for r in rows)}
-            if evaluate and entry.doc_id in state["trainable"]:
-                item["heldout_after"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []))
-                if eval_distractors:
-                    others = [d for d in trainer.entries if d != entry.doc_id]
-                    chosen, pos = eval_parts(entry.doc_id, others, eval_distractors, config.seed)
-                    item["heldout_coloaded"] = trainer.heldout_loss(entry.doc_id, heldout.get(entry.doc_id, []),
-                                                                    chosen, pos)
-                if item["trained"]:
-                    item["health_reason"] = training_health([], item["heldout_before"], item["heldout_after"])
-            per_doc.append(item)
-        recorded = journal_rows(directory, manifest.rounds, log)
-        if recorded:
-            call(record_steps, store, recorded, directory, config, run_id)
-            fault_point("fleet.steps.recorded")
-        shutil.rmtree(directory / JOURNAL, ignore_errors=True)
-        manifest.index = call(index, lm, list(docs_by_id.values()), directory, config)
-        fault_point("fleet.publish.manifest")
-        write_manifest(directory, manifest)
-        fault_point("fleet.publish.prune")
-        prune(directory, manifest)
-        summary = {"run_id": run_id, "fleet": str(directory), "rounds_run": len(rows), "rounds": manifest.rounds,
-                   "residents": [trainer.entries[d].name for d in trainer.residents],
-                   "removed": state["removed"], "documents": per_doc, "losses": [r["loss"] for r in rows],
-                   "steps_table": rows, "index_chunks": manifest.index["n_chunks"],
-                   "seconds": time.perf_counter() - started, **lm.dtype_record()}
-        write_run_report(store, summary, markdown_summary, f"fleet run {run_id}")
-        store.catalog.finish_run(run_id, "complete", {k: v for k, v in summary.items() if k != "steps_table"})
-        return summary
+    with fleet_run(store, lm, docs, directory, config, resume, log, eval_distractors, fanout, lock_wait) as run:
+        for name in STEPS:
+            run.step(name, call)
+    return run.summary
 
 
 def journal_row(directory: Path, row: dict) -> None:

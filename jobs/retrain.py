@@ -1,4 +1,4 @@
-"""Retraining a published fleet when its documents change, as plain function calls.
+"""Retraining a published fleet when its documents change, and publishing the new version.
 
 A published fleet root holds `versions/NNNN/` (each a complete fleet directory) and
 `current`, a symlink to the live one. A retrain run:
@@ -31,12 +31,14 @@ from typing import Any
 from cartridges.core.errors import FleetError
 from cartridges.core.models import LoadedModel
 from cartridges.fleet.manifest import MANIFEST, Manifest, read_manifest
+from jobs import Call, plain
+from jobs.fleet import fleet_files, run_fleet
+from jobs.report import write_run_report
 from schemas import FleetConfig
 from schemas.presets import fleet_preset
 from stages import ingest
 from stages.fanout import Fanout
-from stages.fleet import fleet_files, run_fleet
-from stages.run_report import write_run_report
+from stages.job import Job
 from storage import Store
 from storage.lock import exclusive
 from storage.retention import prune
@@ -53,10 +55,6 @@ NAME = "retrain"
 KEEP_VERSIONS = 3
 SERVE_URL_ENV = "CARTRIDGES_SERVE_URL"
 API_KEY_ENV = "CARTRIDGES_API_KEY"
-
-
-def _plain(fn: Callable, *args, **kwargs):
-    return fn(*args, **kwargs)
 
 
 def live_version(root: Path | str) -> Path | None:
@@ -129,7 +127,7 @@ def notify_reload(url: str | None = None, pid_file: str | Path | None = None, ap
 
 def run_retrain(
     store: Store, lm: LoadedModel, docs: list[str | Path], root: str | Path, config: FleetConfig,
-    call: Callable[..., Any] = _plain, log: Callable[[str], None] = print, fanout: Fanout | None = None,
+    call: Call = plain, log: Callable[[str], None] = print, fanout: Fanout | None = None,
     notify: Callable[[], dict] | None = None, keep: int = KEEP_VERSIONS, only_changed: bool = True,
     lock_wait: float = 0.0,
 ) -> dict:
@@ -147,14 +145,13 @@ def run_retrain(
         discard_unpublished(root)  # a version a killed writer was building: never published, never served
         run_id = store.catalog.start_run(NAME if only_changed else "fleet-publish")
         with store.catalog.failing_run(run_id):
-            docs_art = call(ingest.run, store, files, lm.tokenizer, config.ingest,
-                            tokenizer_id=lm.compute_id, run_id=run_id)
+            docs_art = call(ingest.run, Job(store, lm, tuple(files), run_id), config.ingest)
             documents = store.table(docs_art).to_pylist()
             live = live_version(root)
             if is_versioned(root) and live is None:
                 raise FleetError(f"{root}: fleet root has versions but no valid 'current' link")
             found = changes(documents, read_manifest(live) if live is not None else None)
-            summary: dict[str, Any] = {"run_id": run_id, "root": str(root), **found, "trained": [],
+            summary: dict[str, Any] = {"kind": NAME, "run_id": run_id, "root": str(root), **found, "trained": [],
                                        "rounds_run": 0, "losses": [], **lm.dtype_record()}
             if only_changed and live is not None and not (found["new"] or found["changed"] or found["removed"]):
                 summary.update(version=live.name, published=False, notified={},
@@ -185,23 +182,6 @@ def run_retrain(
                 )
                 log(summary["message"])
             summary["seconds"] = time.perf_counter() - started
-            write_run_report(store, summary, markdown_summary, f"retrain run {run_id}")
+            write_run_report(store, summary)
             store.catalog.finish_run(run_id, "complete", summary)
             return summary
-
-
-def markdown_summary(s: dict) -> str:
-    def names(key: str) -> str:
-        return ", ".join(s.get(key) or []) or "none"
-
-    lines = [f"# Published fleet run {s.get('run_id', '')}", "", s["message"], "",
-             f"- trained: {names('trained')} ({s['rounds_run']} rounds)",
-             f"- new: {names('new')}", f"- changed: {names('changed')}", f"- removed (retired): {names('removed')}",
-             f"- skipped as unchanged: {names('unchanged')}",
-             f"- version: {s.get('version')} ({'published' if s.get('published') else 'not republished'})",
-             f"- reload: {s.get('notified') or 'not requested'}",
-             f"- {s.get('seconds', 0.0):.1f} s"]
-    if s.get("losses"):
-        lines += ["", "Per-round loss: " + ", ".join(f"{x:.3f}" for x in s["losses"][:100])]
-    lines += ["", f"Loss curve: `{s.get('loss_png') or 'none (no training)'}`", ""]
-    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The cartridge job: the stage graph (`stages.graph.CARTRIDGE`) run once over a corpus.
+
+corpus -> documents -> chunks -> conversations (-> sentences they are grounded in) ->
+targets -> trained cartridge -> exported file. Every stage is skipped when its
+fingerprint is already complete in the catalog. `cartridge_run` holds the run's record
+around the stage calls, so the Prefect flow can make each call a task and still show the
+chain; `run_pipeline` is the same run with plain calls.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from cartridges.core.health import health_fields
+from cartridges.core.models import LoadedModel
+from jobs import Call, plain
+from jobs.report import write_run_report
+from schemas import HealthConfig, PipelineConfig
+from stages import chunks, facts, train
+from stages.fanout import Fanout
+from stages.graph import CARTRIDGE, Stage
+from stages.job import Job
+from stages.teacher import usable
+from storage import StageResult, Store
+from storage.atomic import atomic_path
+
+NAME = "cartridge"
+
+
+class CartridgeRun:
+    """One run of the cartridge job: the job every stage gets, and the artifacts made so far."""
+
+    def __init__(self, job: Job, config: PipelineConfig) -> None:
+        self.job, self.config = job, config
+        self.artifacts: dict[str, StageResult] = {}
+        self.summary: dict = {}
+
+    def stage(self, stage: Stage, call: Call = plain) -> StageResult:
+        """Run `stage` on its inputs' artifacts (through `call`) and keep its artifact."""
+        inputs = [self.artifacts[name] for name in stage.inputs]
+        self.artifacts[stage.name] = call(stage.run, self.job, stage.section(self.config), *inputs)
+        return self.artifacts[stage.name]
+
+
+@contextmanager
+def cartridge_run(
+    store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig = PipelineConfig(),
+    save: str | Path | None = None, force: tuple[str, ...] = (), fanout: Fanout | None = None,
+) -> Iterator[CartridgeRun]:
+    """The catalog run around the stage calls made in the `with` body; on leaving it, the run's
+    summary (in `.summary`) and report are written and the run is closed (failed on an error)."""
+    run_id = store.catalog.start_run(NAME)
+    started = time.perf_counter()
+    with store.catalog.failing_run(run_id):
+        run = CartridgeRun(Job(store, lm, tuple(corpus), run_id, frozenset(force), fanout), config)
+        yield run
+        run.summary = finish(run, save, time.perf_counter() - started)
+        status = "complete" if run.summary["health"] == "ok" else "failed"
+        store.catalog.finish_run(run_id, status, run.summary)
+
+
+def run_pipeline(
+    store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig = PipelineConfig(),
+    save: str | Path | None = None, force: tuple[str, ...] = (), fanout: Fanout | None = None,
+) -> dict:
+    """Run every stage (skipping unchanged ones) and return the run summary.
+
+    With `fanout`, synthesis and teacher shards run on its workers (same rows as in-process).
+    """
+    with cartridge_run(store, lm, corpus, config, save, force, fanout) as run:
+        for stage in CARTRIDGE:
+            run.stage(stage)
+    return run.summary
+
+
+def finish(run: CartridgeRun, save: str | Path | None, seconds: float) -> dict:
+    """The run's summary and report, with the cartridge exported to `save` when given."""
+    store, a = run.job.store, run.artifacts
+    summary = summarize(store, a["ingest"], a["chunks"], a["synthesize"], a["train"], run.config.health)
+    summary["fact_coverage"] = facts.fact_coverage(store.table(a["facts"]).select(["conversations"]).to_pylist())
+    arts = [a[stage.name] for stage in CARTRIDGE]
+    summary.update(kind=NAME, run_id=run.job.run_id, seconds=seconds, **run.job.model.dtype_record(),
+                   skipped=[x.stage for x in arts if x.skipped])
+    cartridge = store.dir(a["train"]) / train.CARTRIDGE_FILE
+    if save:
+        cartridge = export(cartridge, Path(save))
+    summary["cartridge"] = str(cartridge)
+    summary["stages"] = [{"stage": x.stage, "artifact": x.id, "skipped": x.skipped, "rows": x.rows,
+                          "seconds": None if x.skipped else x.seconds}
+                         for x in arts]
+    write_run_report(store, summary)
+    return summary
+
+
+def export(source: Path, target: Path) -> Path:
+    """Copy the trained cartridge to a user path atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(target) as tmp:
+        shutil.copyfile(source, tmp)
+    return target
+
+
+def summarize(store: Store, docs, plan, convs, trained, health: HealthConfig) -> dict:
+    """Losses, data quality, coverage and timings of one run.
+
+    Coverage counts, for every token of every document, the training spans that hold
+    it, where a span counts when at least one of its conversations is used in training.
+    """
+    result = train.summary_of(store, trained)
+    documents = store.table(docs).select(["doc_id", "tokens"]).to_pylist()
+    chunk_rows = store.table(plan).select(["chunk_id", "doc_id", "start", "end", "split"]).to_pylist()
+    conv_rows = store.table(convs).select(["chunk_id", "seed_type", "split", "a_ok", "b_ok", "a_reason", "b_reason",
+                                           "teacher_ids", "answer_start"]).to_pylist()
+    corpus_tokens = sum(d["tokens"] for d in documents)
+    used = result["train_conversations"]
+    filtered = bool(convs.config.get("filter", True))
+    trained_chunks = {c["chunk_id"] for c in conv_rows if c["split"] == "train" and usable(c, filtered)}
+    coverage_min, coverage_mean = chunks.train_coverage(
+        [(d["doc_id"], d["tokens"]) for d in documents],
+        [c for c in chunk_rows if c["chunk_id"] in trained_chunks], int(plan.config.get("per_chunk", 1)))
+    by_seed: dict[str, int] = {}
+    for c in conv_rows:
+        by_seed[c["seed_type"]] = by_seed.get(c["seed_type"], 0) + 1
+    synth_seconds = convs.artifact.seconds or 0.0
+    return {
+        **result,
+        **health_fields(result["losses"], result["heldout_loss_before"], result["heldout_loss_after"], health),
+        "conversations": used,
+        "planned_conversations": plan.rows,
+        "a_ok_rate": sum(c["a_ok"] for c in conv_rows) / max(1, len(conv_rows)),
+        "b_degenerate_rate": sum((c["a_ok"] and not c["b_ok"]) for c in conv_rows) / max(1, sum(c["a_ok"] for c in conv_rows)),
+        "seed_types": by_seed,
+        "corpus_tokens": corpus_tokens,
+        "coverage_min": coverage_min,
+        "coverage_mean": coverage_mean,
+        "synth_seconds": synth_seconds,
+        "s_per_conversation": synth_seconds / max(1, len(conv_rows)),
+    }
