@@ -120,7 +120,7 @@ bench-pipeline: setup
 
 # bfloat16 against float32 side by side on this machine, and what --dtype auto picks here.
 bench-dtype: setup
-	$(BIN)/python -m bench.bench_dtype --json
+	$(BIN)/python -m experiments.bench_dtype --json
 
 bench-spec: setup
 	$(BIN)/python -m bench.bench_spec $(DTYPE_ARG) --json
@@ -138,11 +138,11 @@ bench: setup
 # resumable (a rerun skips finished points; CURVE_ARGS passes e.g. --conversations 250 500).
 CURVE_ARGS ?=
 curve: setup
-	$(BIN)/python -m bench.curve run $(DTYPE_ARG) $(CURVE_ARGS) --json
+	$(BIN)/python -m experiments.curve run $(DTYPE_ARG) $(CURVE_ARGS) --json
 
 # Today's defaults' curve, from the curve's points and the lever points run at today's defaults.
 curve-plot: setup
-	$(BIN)/python -m bench.curve plot --out docs/quality/curve.jsonl docs/quality/levers.jsonl --train-args "" --markdown
+	$(BIN)/python -m experiments.curve plot --out docs/quality/curve.jsonl docs/quality/levers.jsonl --train-args "" --markdown
 
 # The GPU check's dry run (docs/BENCHMARKS.md): a clean Python 3.11 venv under GPU_DRY holding only
 # the accelerator machine's packages (no Prefect, DuckDB, faiss or gguf), `bench.gpu_check` on the

@@ -1,4 +1,4 @@
-"""bench.fleet_quality scores what `cartridges eval` scores: alone as its fleet_oracle arm,
+"""experiments.fleet_quality scores what `cartridges eval` scores: alone as its fleet_oracle arm,
 composed as a cartridge file holding the whole fleet's rows."""
 
 from __future__ import annotations
@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from bench.fleet_quality import change, evaluate
 from cartridges.core.cartridge import Cartridge
 from cartridges.core.files import save_cartridge
 from cartridges.evaluation.evaluate import score_arm
 from cartridges.evaluation.qa import read_questions
 from cartridges.fleet import Fleet
+from experiments.fleet_quality import change, evaluate
+from jobs.fleet import run_fleet
 from schemas.presets import fleet_preset
 from stages import evaluate as eval_stage
-from stages.fleet import run_fleet
 from storage import Store
 from tests.test_fleet_run import write_docs
 from tests.tiny import tiny_llama

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.heldout_reference import references, training_region
+from experiments.heldout_reference import references, training_region
+from jobs.pipeline import run_pipeline
 from schemas import ChunkConfig
 from schemas.presets import preset
-from stages.pipeline import run_pipeline
 from stages.train import summary_of
 from storage import Store, StoreError
 from tests.tiny import tiny_llama
@@ -20,7 +20,7 @@ def test_training_region_covers_every_training_chunk_and_no_heldout_chunk(tmp_pa
     path.write_text(CORPUS)
     lm, store = tiny_llama(), Store(tmp_path / "store")
     cfg = preset("smoke", {"synth": {"filter": False}, "chunks": {"heldout_region": "tail"}})
-    run_pipeline(store, lm, [path], cfg, log=lambda _: None)
+    run_pipeline(store, lm, [path], cfg)
 
     docs = store.table(store.latest("ingest")).to_pylist()
     region = lm.tokenizer(training_region(docs, cfg.chunks, lm.tokenizer), add_special_tokens=False)["input_ids"]

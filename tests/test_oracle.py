@@ -1,4 +1,4 @@
-"""The capacity-ceiling bench: a cartridge distilled on the eval's own questions."""
+"""The capacity-ceiling experiment: a cartridge distilled on the eval's own questions."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from bench.oracle import oracle_examples, run, train_oracle
 from cartridges.core.cartridge import init_from_corpus
 from cartridges.core.chat import system_ids
 from cartridges.core.train import mean_loss
 from cartridges.evaluation.qa import Question
+from experiments.oracle import oracle_examples, run, train_oracle
 from tests.tiny import tiny_llama
 
 DOC = "The zebra code is 4417. The lion code is 9021. The otter code is 3350. " * 4
@@ -58,7 +58,7 @@ def test_training_on_the_questions_lowers_their_loss(tiny_lm):
     assert curve[-1] == pytest.approx(mean_loss(tiny_lm.model, [cart], examples))
 
 
-def test_the_bench_reports_both_closures_on_trained_and_held_out_questions(tiny_lm, tmp_path):
+def test_the_experiment_reports_both_closures_on_trained_and_held_out_questions(tiny_lm, tmp_path):
     doc = tmp_path / "d.md"
     doc.write_text(DOC)
     qa = tmp_path / "q.jsonl"

@@ -8,15 +8,15 @@ rerun skips the points already there, and `cartridges train` itself resumes from
 point's store (finished synthesis shards and checkpoints are kept). Points run in
 order of increasing conversations, so the cheap end of the curve lands first.
 
-    python -m bench.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
+    python -m experiments.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
         [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"]
         [--reuse-default-store] [--json]
-    python -m bench.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
+    python -m experiments.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
-    python -m bench.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
+    python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
-    python -m bench.curve regions [--out ...] [--train-args ""] [--docs raft] [--json]
+    python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--json]
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -296,16 +296,12 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
 # ---- aggregation
 
 
-def bootstrap_mean_ci(values: Sequence[float], samples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
-    """95% percentile interval of the mean, resampling (doc, seed) points; None for fewer than two."""
-    import numpy as np
+def points_ci(values: Sequence[float]) -> tuple[float, float] | None:
+    """The eval's 95% interval of the mean (`scoring.bootstrap_ci`), resampling (doc, seed) points
+    instead of questions; None for fewer than two points."""
+    from cartridges.evaluation.scoring import bootstrap_ci
 
-    x = np.asarray(values, dtype=float)
-    if x.size < 2:
-        return None
-    rng = np.random.default_rng(seed)
-    means = x[rng.integers(0, x.size, size=(samples, x.size))].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    return bootstrap_ci(values) if len(values) >= 2 else None
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -332,13 +328,13 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
         for name, short in (("icl_gap_closure_nll", "nll_closure"), ("icl_gap_closure", "acc_closure")):
             vals = [v for v in (_closure(r, name) for r in group) if v is not None]
             row[short] = _mean(vals)
-            row[f"{short}_ci"] = bootstrap_mean_ci(vals)
+            row[f"{short}_ci"] = points_ci(vals)
             row[f"{short}_points"] = len(vals)
         for arm in ARMS:
             row[f"{arm}_accuracy"] = _mean([v for v in (_acc(r, arm) for r in group) if v is not None])
         # bare and in context score the same on every seed of a document; only the cartridge varies
-        row["cartridge_accuracy_ci"] = bootstrap_mean_ci([v for v in (_acc(r, "cartridge") for r in group)
-                                                          if v is not None])
+        row["cartridge_accuracy_ci"] = points_ci([v for v in (_acc(r, "cartridge") for r in group)
+                                                  if v is not None])
         row["train_wall_min"] = _mean([r["train_wall_s"] / 60 for r in group if r.get("train_wall_s") is not None])
         used = [r["conversations_used"] for r in group if r.get("conversations_used") is not None]
         row["conversations_used"] = _mean(used)
@@ -453,12 +449,10 @@ def paired(changes: Changes, samples: int = 2000, seed: int = 0) -> dict:
     95% bootstrap interval over questions, and the same in closure units (per unit of the mean
     bare-to-ICL gap): the two cartridges answer the same questions, so their difference is far
     less noisy than two closures with their own intervals."""
-    import numpy as np
+    from cartridges.evaluation.scoring import bootstrap_ci
 
     lines, diff, gap = changes
-    rng = np.random.default_rng(seed)
-    means = diff[rng.integers(0, diff.size, size=(samples, diff.size))].mean(axis=1)
-    lo, hi = float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    lo, hi = bootstrap_ci(diff, samples, seed)
     out = {"questions": len(lines), "gold_nll_change": float(diff.mean()), "gold_nll_change_ci": [lo, hi],
            "gap": gap, "better": int((diff < 0).sum()), "worse": int((diff > 0).sum())}
     if gap > 0:
@@ -676,7 +670,7 @@ def plot(outs: Sequence[Path], png: Path, train_args: Sequence[str] | None = Non
     where = ", ".join(map(str, outs))
     if not records:
         which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
-        raise SystemExit(f"curve: {where} holds no finished point{which}; run `python -m bench.curve run` first")
+        raise SystemExit(f"curve: {where} holds no finished point{which}; run `python -m experiments.curve run` first")
     rows = aggregate(records)
     f = fit(rows)
     plot_png(records, rows, f, png)
@@ -685,7 +679,7 @@ def plot(outs: Sequence[Path], png: Path, train_args: Sequence[str] | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.curve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.curve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="train and evaluate every point not yet in the results file")
     p.add_argument("--docs", nargs="+", default=["raft", "photosynthesis", "panama"],

@@ -4,7 +4,7 @@ retrieval top-1 accuracy, and the collapse check (p_iso 1.0 vs 0.75, distractors
 Each arm trains its own fleet of the same documents from the same corpus-init cartridges;
 "init" is the untrained fleet (rounds 0). Co-loaded losses put 2 distractors beside the
 target (chosen and placed by a keyed draw per document, the same in every arm).
-Run: `python -m bench.measure_fleet --out DIR [--seeds 7] [--json]`.
+Run: `python -m experiments.measure_fleet --out DIR [--seeds 7] [--json]`.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from cartridges.core.models import load_model
 from cartridges.fleet import Fleet
+from jobs.fleet import run_fleet
 from schemas.presets import fleet_preset
 from stages import fleet_data
-from stages.fleet import run_fleet
 from storage import Store
 
 DOCS = ["README.md", "docs/PIPELINE.md", "docs/corpus/deflate.md", "docs/eval/raft.md"]

@@ -7,7 +7,7 @@ Both dtypes load the same weights in this process and run the same work side by 
   sensitivity), and the teacher's top-k targets against float32's (top-1 agreement and
   the mean KL over float32's kept entries, which is what the distillation loss reads).
 
-Run: `python -m bench.bench_dtype [--corpus FILE] [--json]`; the last line is JSON.
+Run: `python -m experiments.bench_dtype [--corpus FILE] [--json]`; the last line is JSON.
 """
 
 from __future__ import annotations

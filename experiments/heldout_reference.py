@@ -14,7 +14,7 @@ prefixes and beside the trained cartridge:
   reserved tail with "tail"; the whole corpus with "sample");
 - ``whole_corpus``: the whole corpus in context, held-out text included (ICL).
 
-Run: `python -m bench.heldout_reference --store DIR [--json]` after a training run.
+Run: `python -m experiments.heldout_reference --store DIR [--json]` after a training run.
 """
 
 from __future__ import annotations

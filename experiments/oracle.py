@@ -8,7 +8,7 @@ answering, the p rows have the capacity and any shortfall of a self-study
 cartridge is coverage. With `--split`, training uses every other question and
 the rest measure transfer to questions it was not trained on.
 
-Run: `python -m bench.oracle --qa docs/eval/questions.jsonl --doc docs/eval/raft.md [--json]`.
+Run: `python -m experiments.oracle --qa docs/eval/questions.jsonl --doc docs/eval/raft.md [--json]`.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 behind its own cartridge alone and behind the whole fleet composed, for each
 mixed-visibility training arm, scored by the correct option's NLL as `cartridges eval` does.
 
-Held-out loss (bench.measure_fleet) cannot see whether a composed cartridge still answers
+Held-out loss (experiments.measure_fleet) cannot see whether a composed cartridge still answers
 about its document; the gold NLL's gap closure (bare 0, document in context 1) can, so a
 composition collapse, and the trained or frozen distractors' rescue of it, shows here or not
 at all. Every arm trains its own fleet of the same documents from the same corpus-init
 cartridges and the same synthetic data (the round artifacts are shared through the store);
 training runs in `--dtype` and scoring in float32, as the single-cartridge curve does.
 
-Run: `python -m bench.fleet_quality --out DIR [--seeds 7] [--rounds 75] [--json]`; a rerun
+Run: `python -m experiments.fleet_quality --out DIR [--seeds 7] [--rounds 75] [--json]`; a rerun
 continues a crashed arm's fleet to its rounds and keeps finished arms. It prints each arm's
 closures, then paired closure changes (questions resampled within each document): composed
 against alone in every arm, and each mixed-visibility arm against isolated training.
@@ -23,16 +23,16 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.curve import pooled, question_changes
-from bench.measure_fleet import ARMS, arm_dir
 from cartridges.core.models import load_model
 from cartridges.evaluation.evaluate import Arm, closure, score_arm
 from cartridges.evaluation.qa import read_questions
 from cartridges.fleet import Fleet
 from cartridges.fleet.manifest import read_manifest
+from experiments.curve import pooled, question_changes
+from experiments.measure_fleet import ARMS, arm_dir
+from jobs.fleet import run_fleet
 from schemas.presets import fleet_preset
 from stages.evaluate import Inputs, read_docs, select_questions
-from stages.fleet import run_fleet
 from storage import Store, atomic_write_bytes
 
 DOCS = ["docs/eval/raft.md", "docs/eval/panama.md", "docs/eval/photosynthesis.md"]
@@ -69,7 +69,7 @@ def evaluate(lm, directory: Path, docs: dict[str, str], questions: list, referen
 
 def change(base: dict, other: dict, base_arm: str, other_arm: str) -> dict:
     """Closure change from (base run, base_arm) to (other run, other_arm), pooled over the documents
-    with equal weight, questions resampled within each (bench.curve.pooled)."""
+    with equal weight, questions resampled within each (experiments.curve.pooled)."""
     changes = []
     for doc, cell in base["documents"].items():
         a = {int(i): {"cartridge": v[base_arm], "bare": v["bare"], "icl": v["icl"]}
