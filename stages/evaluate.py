@@ -39,6 +39,7 @@ from cartridges.evaluation.evaluate import (
     summarize_arm,
 )
 from cartridges.evaluation.qa import Question
+from cartridges.evaluation.retrieval import Retriever, context_ids, corpus_chunks, fill
 from schemas import EVALS
 from stages.progress import progress
 from storage import StageContext, Store
@@ -47,7 +48,9 @@ NAME = "eval"
 VERSION = 5
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "snapkv", "first")
-REUSABLE = ("bare", "icl", "full_kv", *PEERS)
+RAG = {"rag": "bm25", "rag_dense": "dense"}  # arm -> retriever over the corpus's chunks
+RAG_CHUNK = 128  # tokens per retrieved chunk
+REUSABLE = ("bare", "icl", "full_kv", *PEERS, *RAG)
 CLOSURES = ("icl_gap_closure", "icl_gap_closure_nll", "oracle_gap_closure", "oracle_gap_closure_nll")
 ARM_STAGE, ARM_FILE = "eval_arm", "scored.json"
 SCORED_FIELDS = ("correct", "correct_gen", "hit_limit", "nll", "gold_nll", "kv_rows", "reply")
@@ -60,8 +63,9 @@ def _sha(path: Path) -> str:
 class Inputs:
     """Arms over a model, cartridge files and documents; contexts and full KVs built once."""
 
-    def __init__(self, lm: LoadedModel, cartridges: list[str], docs: dict[str, str], fleet=None) -> None:
-        self.lm, self.docs, self.fleet = lm, docs, fleet
+    def __init__(self, lm: LoadedModel, cartridges: list[str], docs: dict[str, str], fleet=None,
+                 rag_chunk: int = RAG_CHUNK) -> None:
+        self.lm, self.docs, self.fleet, self.rag_chunk = lm, docs, fleet, rag_chunk
         self.selected: dict[str, list[str]] = {}  # question -> documents retrieved for it
         self.truncated: dict[str, int] = {}  # document -> context tokens cut to fit the window
         self.parts = []
@@ -76,6 +80,7 @@ class Inputs:
         # a peer's rows are needed once per group and again for TTFT: select them once per document
         self.knorm = cached(lambda key: knorm_rows(self.full_kv(key), self.budget, self.rotary))
         self.snapkv = cached(self._snapkv)
+        self.retriever = cached(self._retriever)
 
     def doc_key(self, q: Question) -> str:
         """The document a question is asked against; the whole corpus when it names none."""
@@ -100,6 +105,15 @@ class Inputs:
         rows = self.full_kv(key)
         ids = torch.tensor(self.context(key), device=self.lm.device)
         return snapkv_rows(self.lm.model, ids, rows, self.budget, self.rotary)
+
+    def _retriever(self, kind: str) -> Retriever:
+        chunks = corpus_chunks(self.lm.tokenizer, list(self.docs.values()), self.rag_chunk)
+        return Retriever(chunks, kind, self.lm.model, self.lm.tokenizer)
+
+    def rag_context(self, kind: str, q: Question) -> list[int]:
+        """The corpus chunks `kind` ranks best for the question, filling the cartridge's rows."""
+        retriever = self.retriever(kind)
+        return fill(self.lm.tokenizer, retriever.chunks, retriever.rank(q.question), self.budget)[1]
 
     def retrieve(self, q: Question) -> list[str]:
         if q.question not in self.selected:
@@ -130,6 +144,10 @@ class Inputs:
             arms.append(Arm("knorm", key=key, rows=lambda q: self.knorm(key(q))))
             arms.append(Arm("snapkv", key=key, rows=lambda q: self.snapkv(key(q))))
             arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), self.budget)))
+        if self.parts and self.docs and len(context_ids(self.lm.tokenizer, [])) < self.budget:
+            for name, kind in RAG.items():
+                arms.append(Arm(name, key=lambda q: q.question,
+                                context=lambda q, kind=kind: self.rag_context(kind, q)))
         return arms
 
 
@@ -254,8 +272,10 @@ def scored_arm(store: Store, lm: LoadedModel, arm: Arm, used: list[Question], ma
         with progress(len(used), f"eval {arm.name}", "question") as bar:
             return (*score_arm(lm, arm, used, max_new=max_new, progress=bar.update), False)
     key = {k: config[k] for k in ("qa", "docs", "model", "max_new")}
-    key.update(arm=arm.name, budget=budget if arm.name in PEERS else None,
+    key.update(arm=arm.name, budget=budget if arm.name in PEERS or arm.name in RAG else None,
                questions=[q.line for q in used])
+    if arm.name in RAG:
+        key["rag_chunk"] = config["rag_chunk"]
     out: dict = {}
 
     def work(ctx: StageContext) -> None:
@@ -324,7 +344,7 @@ def write_outputs(ctx: StageContext, result: dict, answers: list[dict], run_id: 
 
 
 def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], problems: list[str],
-        cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True,
+        cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True, rag_chunk: int = RAG_CHUNK,
         force: bool = False, run_id: str | None = None, log=print, fleet_dir: str | None = None) -> dict:
     """Score every arm (or reuse an identical earlier eval) and return the result dict."""
     docs = read_docs(corpus) if corpus else {}
@@ -338,7 +358,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
                   if fleet else None),
         "qa": _sha(Path(qa)), "cartridges": [_sha(Path(c)) for c in cartridges],
         "docs": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in docs.items()},
-        "model": lm.compute_id, "max_new": max_new, "peers": peers,
+        "model": lm.compute_id, "max_new": max_new, "peers": peers, "rag_chunk": rag_chunk,
     }
     result: dict = {}
 
@@ -347,7 +367,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
         if not used:
             raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
                               f"({', '.join(docs)})")
-        inputs = Inputs(lm, cartridges, docs, fleet)
+        inputs = Inputs(lm, cartridges, docs, fleet, rag_chunk)
         plan = inputs.arms(peers)
         if fleet is not None:
             extra, why = inputs.fleet_arms(used)

@@ -231,13 +231,14 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
         {"doc": "other.md", "question": "Unrelated?", "options": ["a", "b"], "answer": 0},
         {"doc": "doc.md", "question": "What is the zebra code?", "answer": "4417"},
     ]) + "\nbroken\n")
-    cart = init_from_corpus(tiny_lm, doc.read_text(), p=16)
+    cart = init_from_corpus(tiny_lm, doc.read_text(), p=96)  # room for a retrieved chunk after the template
     path = save_cartridge(tmp_path / "c.safetensors", cart, tiny_lm.fingerprint)
     questions, problems = read_questions(qa)
     store = Store(tmp_path / "store")
     result = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
-                          max_new=4, log=lambda _: None)
-    assert set(result["arms"]) == {"bare", "icl", "full_kv", "cartridge", "knorm", "snapkv", "first"}
+                          max_new=4, log=lambda _: None, rag_chunk=24)
+    assert set(result["arms"]) == {"bare", "icl", "full_kv", "cartridge", "knorm", "snapkv", "first", "rag",
+                                   "rag_dense"}
     assert result["questions"] == 3
     assert any("other.md" in n for n in result["notes"]) and any(":5: not JSON" in n for n in result["notes"])
     icl, full = result["arms"]["icl"], result["arms"]["full_kv"]
@@ -246,6 +247,9 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     assert result["arms"]["cartridge"]["kv_rows"] < icl["kv_rows"]
     for arm in ("knorm", "snapkv", "first"):
         assert result["arms"][arm]["kv_rows"] == result["arms"]["cartridge"]["kv_rows"]
+    for arm in ("rag", "rag_dense"):  # at or below the cartridge's rows, and within one chunk of them
+        short = result["arms"]["cartridge"]["kv_rows"] - result["arms"][arm]["kv_rows"]
+        assert 0 <= short < 24 + 2
     assert "metric" in result["icl_gap_closure"]
     assert icl["gold_nll"] == pytest.approx(full["gold_nll"], abs=1e-4)
     for arm in result["arms"].values():
@@ -261,7 +265,7 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     assert "| icl |" in report and "gold NLL (95% CI)" in report and "ICL-gap closure (gold_nll)" in report
     assert next((tmp_path / "store").rglob("chart.png")).read_bytes()[:4] == b"\x89PNG"
     answers = [json.loads(x) for x in next((tmp_path / "store").rglob("answers.jsonl")).read_text().splitlines()]
-    assert len(answers) == 7 * 3 and {a["arm"] for a in answers} == set(result["arms"])
+    assert len(answers) == 9 * 3 and {a["arm"] for a in answers} == set(result["arms"])
     assert {a["doc"] for a in answers} == {"doc.md"} and {a["region"] for a in answers} == {None}
     icl_correct = [a["correct"] for a in answers if a["arm"] == "icl" and a["correct"] is not None]
     assert sum(icl_correct) / len(icl_correct) == icl["accuracy"]
@@ -273,17 +277,17 @@ def test_eval_stage_writes_table_report_and_chart_and_skips_when_unchanged(tiny_
     cols, rows = query(tmp_path / "store", "SELECT arm, value FROM evals WHERE metric = 'gold_nll' ORDER BY arm")
     assert dict(rows)["icl"] == pytest.approx(icl["gold_nll"])
     again = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
-                         max_new=4, log=lambda _: None)
+                         max_new=4, log=lambda _: None, rag_chunk=24)
     assert again["skipped"] and again["arms"]["icl"]["accuracy"] == icl["accuracy"]
     assert not math.isnan(again["arms"]["bare"]["ttft_s"])
     # Another cartridge of the same size: only its own arm is scored again, the rest are reused
     # (equal to scoring them afresh in a new store).
-    other = save_cartridge(tmp_path / "d.safetensors", init_from_corpus(tiny_lm, "other text " * 20, p=16),
+    other = save_cartridge(tmp_path / "d.safetensors", init_from_corpus(tiny_lm, "other text " * 20, p=96),
                            tiny_lm.fingerprint)
     third = evaluate.run(store, tiny_lm, str(qa), questions, problems, [str(other)], [str(doc)],
-                         max_new=4, log=lambda _: None)
+                         max_new=4, log=lambda _: None, rag_chunk=24)
     fresh = evaluate.run(Store(tmp_path / "fresh"), tiny_lm, str(qa), questions, problems, [str(other)],
-                         [str(doc)], max_new=4, log=lambda _: None)
+                         [str(doc)], max_new=4, log=lambda _: None, rag_chunk=24)
     assert not third["skipped"]
     assert any(n.startswith("arms reused") and "cartridge" not in n and "icl" in n for n in third["notes"])
     for arm in result["arms"]:

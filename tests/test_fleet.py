@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cartridges.core.similarity import center, embed_text
 from cartridges.core.train import Example
 from cartridges.fleet.budget import initial_residents, rotation, warmup_lr
-from cartridges.fleet.index import build_index, center, embed_text
+from cartridges.fleet.index import build_index
 from cartridges.fleet.manifest import DocEntry
 from cartridges.fleet.plan import plan_round
 from cartridges.fleet.residents import load_resident, new_resident, save_resident, train_group
@@ -287,7 +288,7 @@ def test_default_model_retrieves_each_questions_own_document(default_lm, tmp_pat
 def test_bm25_scores_equal_the_okapi_formula_by_hand():
     import math
 
-    from cartridges.fleet.index import BM25
+    from cartridges.core.similarity import BM25
 
     bm = BM25.build(["raft leader election leader", "deflate huffman blocks", "the leader of the band"])
     # lengths after stopwords: 4, 3, 2 (avg 3); "leader" in chunks 0 (tf 2) and 2 (tf 1): df 2 of 3

@@ -8,7 +8,8 @@ from cartridges.core.cartridge import Cartridge, compose_rows
 from cartridges.core.errors import FleetError
 from cartridges.core.models import LoadedModel
 from cartridges.core.prefix import Rows
-from cartridges.fleet.index import Index, embed_text
+from cartridges.core.similarity import embed_text
+from cartridges.fleet.index import Index
 from cartridges.fleet.manifest import Manifest, check_model, read_manifest, resolve
 from cartridges.fleet.residents import load_rows
 

@@ -15,9 +15,6 @@ sha256 is kept in the manifest and checked before faiss reads it.
 
 from __future__ import annotations
 
-import math
-import re
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,20 +22,22 @@ import faiss
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from cartridges.core.errors import FleetError
-from cartridges.core.models import backbone
+from cartridges.core.similarity import (
+    BM25,
+    SUFFIX,
+    apply_centroid,
+    center,
+    embed_ids,
+    suffix_ids,
+)
 from schemas import TABLES, validate_table
 from storage.atomic import atomic_path
 from storage.faults import fault_point
 from storage.fingerprint import sha256_file
 
 LEXICAL_WEIGHT = 1.0
-WORD = re.compile(r"[a-z0-9]+")
-STOPWORDS = frozenset(
-    "a an and are as at be by do does for from how in is it of on or that the this to what which with".split())
-SUFFIX = "\nIn one word, the main topic of the text above is:"
 FILES = {"faiss": "index.faiss", "chunks": "index_chunks.parquet", "centroid": "index_centroid.npy"}
 
 
@@ -46,39 +45,6 @@ def contract(embed_chunk: int) -> dict:
     """What the manifest records so a reader embeds queries the same way."""
     return {"suffix": SUFFIX, "pooling": "final-norm hidden state of the last token",
             "normalize": "l2, minus chunk centroid, l2", "embed_chunk": embed_chunk}
-
-
-@torch.no_grad()
-def embed_ids(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
-    """Final-norm hidden state of the last token of `ids` (float32, not normalized)."""
-    device = next(model.parameters()).device
-    hidden = backbone(model)(input_ids=torch.tensor([ids], device=device), use_cache=False).last_hidden_state
-    return hidden[0, -1].float().cpu().numpy()
-
-
-def suffix_ids(tokenizer) -> list[int]:
-    return list(tokenizer(SUFFIX, add_special_tokens=False)["input_ids"])
-
-
-def embed_text(model: torch.nn.Module, tokenizer, text: str) -> np.ndarray:
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) + suffix_ids(tokenizer)
-    return embed_ids(model, ids)
-
-
-def l2(x: np.ndarray) -> np.ndarray:
-    norm = np.linalg.norm(x, axis=-1, keepdims=True)
-    return x / np.maximum(norm, 1e-12)
-
-
-def center(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(centered unit rows, centroid) of raw chunk embeddings `[N, D]`."""
-    unit = l2(raw.astype(np.float32))
-    centroid = unit.mean(axis=0)
-    return l2(unit - centroid).astype(np.float32), centroid.astype(np.float32)
-
-
-def apply_centroid(raw: np.ndarray, centroid: np.ndarray) -> np.ndarray:
-    return l2(l2(raw.astype(np.float32)) - centroid).astype(np.float32)
 
 
 def chunk_spans(n_tokens: int, size: int) -> list[tuple[int, int]]:
@@ -122,37 +88,6 @@ def build_index(model, tokenizer, documents: list[dict], embed_chunk: int, direc
         entry[key] = name
         entry[f"{key}_sha256"] = sha256_file(directory / name)
     return entry
-
-
-def words(text: str) -> list[str]:
-    return [w for w in WORD.findall(text.lower()) if w not in STOPWORDS]
-
-
-@dataclass
-class BM25:
-    """Okapi BM25 over the index's chunk texts (k1 1.2, b 0.75)."""
-
-    chunks: list[Counter]
-    lengths: np.ndarray
-    df: Counter
-
-    @classmethod
-    def build(cls, texts: list[str]) -> BM25:
-        chunks = [Counter(words(t)) for t in texts]
-        return cls(chunks, np.array([sum(c.values()) for c in chunks], dtype=np.float64),
-                   Counter(w for c in chunks for w in c))
-
-    def scores(self, query: str, k1: float = 1.2, b: float = 0.75) -> np.ndarray:
-        n = len(self.chunks)
-        norm = k1 * (1 - b + b * self.lengths / max(self.lengths.mean(), 1e-9))
-        out = np.zeros(n)
-        for w in set(words(query)):
-            if not self.df[w]:
-                continue
-            idf = math.log(1 + (n - self.df[w] + 0.5) / (self.df[w] + 0.5))
-            tf = np.array([c[w] for c in self.chunks], dtype=np.float64)
-            out += idf * tf * (k1 + 1) / (tf + norm)
-        return out
 
 
 @dataclass
