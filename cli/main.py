@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from cartridges.core.errors import CartridgeError
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     from cli.stops import exit_code, polite_stops, rounds_now, stop_message
 
     before = rounds_now(args)
+    if not args.debug:
+        for name in PREFECT_RUN_LOGGERS:
+            logging.getLogger(name).addFilter(_no_traceback_for_user_errors)
     try:
         with polite_stops(args.command):
             return COMMANDS[args.command](args)
@@ -313,6 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a long command (cli/stops.py)
         print(stop_message(args, exc, before), file=sys.stderr)
         return exit_code(exc)
+
+
+# Prefect logs a failed flow or task run's exception with its traceback; for a user error the
+# command prints one line instead, so those records keep their message and lose the traceback.
+PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+
+def _no_traceback_for_user_errors(record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, Exception) and _user_error(exc):
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _user_error(exc: Exception) -> bool:

@@ -294,7 +294,10 @@ class Catalog:
         try:
             yield
         except BaseException as exc:
-            self.finish_run(run_id, "failed", {"error": str(exc)})
+            try:
+                self.finish_run(run_id, "failed", {"error": str(exc)})
+            except StoreError as record_error:  # a full disk fails the record too: keep the cause
+                exc.add_note(f"(could not record the failure in the catalog: {record_error})")
             raise
 
     def runs(self) -> list[dict[str, Any]]:

@@ -6,7 +6,9 @@
 - `@<n>` fires on the n-th time a matching point is reached in this process (default 1);
 - `<mode>` is `kill` (the default: SIGKILL, as a real crash would), `raise` (raise
   `InjectedFault`), `enospc` (raise `OSError(ENOSPC)`, a full disk), or `stop` (SIGSTOP:
-  the process halts there until SIGCONT, so a test can signal it at a known place).
+  the process halts there until SIGCONT, so a test can signal it at a known place), or
+  `fill` (fill the filesystem that holds the file `$CARTRIDGES_FAULT_FILL` until it is full,
+  then go on: the run's next real write meets a real full disk).
 
 `last_point()` is the newest point this process passed (a stopped run names its step).
 
@@ -23,7 +25,8 @@ import signal
 
 ENV = "CARTRIDGES_FAULT"
 TRACE_ENV = "CARTRIDGES_FAULT_TRACE"
-MODES = ("kill", "raise", "enospc", "stop")
+FILL_ENV = "CARTRIDGES_FAULT_FILL"
+MODES = ("kill", "raise", "enospc", "stop", "fill")
 
 _hits: dict[str, int] = {}
 _last: list[str] = []
@@ -70,4 +73,24 @@ def fault_point(name: str) -> None:
         raise InjectedFault(f"injected fault at {name}")
     if mode == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
+    if mode == "fill":
+        fill_disk(os.environ[FILL_ENV])
+        return
     os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
+
+
+def fill_disk(path: str, block: int = 1 << 16) -> int:
+    """Append zeros to `path` until its filesystem is full; returns the bytes written."""
+    written = 0
+    zeros = bytes(block)
+    with open(path, "ab", buffering=0) as f:
+        while True:
+            try:
+                written += f.write(zeros)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if block == 1:
+                    return written
+                block //= 16
+                zeros = bytes(block)

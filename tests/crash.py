@@ -31,11 +31,12 @@ def context():
     return _CTX
 
 
-def run_cli(argv: list[str], log: Path, fault: str | None = None, trace: Path | None = None) -> int:
-    """`cartridges <argv>` in a child process; returns its exit code (-9 when killed)."""
+def run_cli(argv: list[str], log: Path, fault: str | None = None, trace: Path | None = None,
+            env: dict[str, str] | None = None) -> int:
+    """`cartridges <argv>` in a child process (with `env` set); returns its exit code (-9 when killed)."""
     from tests.crash_child import main
 
-    env = {ENV: fault or "", TRACE_ENV: str(trace) if trace else ""}
+    env = {ENV: fault or "", TRACE_ENV: str(trace) if trace else "", **(env or {})}
     proc = context().Process(target=main, args=(argv, env, str(log)))
     proc.start()
     proc.join(TIMEOUT_S)

@@ -49,6 +49,9 @@ def _sealed(header: dict) -> dict:
     return {**header, "header_checksum": _header_checksum(header)}
 
 
+LOADED_FIELDS = ("draft_reference", "path", "model_fingerprint")
+
+
 def cartridge_bytes(cart: Cartridge, fingerprint: dict, **meta) -> bytes:
     """Serialize a cartridge; `meta` adds fields such as corpus_sha256, steps, draft_reference."""
     tensors: dict[str, torch.Tensor] = {}
@@ -60,7 +63,9 @@ def cartridge_bytes(cart: Cartridge, fingerprint: dict, **meta) -> bytes:
         draft = cart.meta.get("draft_reference")
     if draft is not None:
         tensors["draft_reference"] = torch.as_tensor(draft, dtype=torch.int64).cpu().contiguous()
-    fields = {k: v for k, v in cart.meta.items() if k != "draft_reference"}
+    # what loading added (where the file was read from, the header's own fingerprint) is not the
+    # cartridge's: a cartridge trained on from a checkpoint is the file an uninterrupted run writes
+    fields = {k: v for k, v in cart.meta.items() if k not in LOADED_FIELDS}
     fields.update(meta)
     header = {
         "format": FORMAT,
