@@ -45,14 +45,15 @@ from stages.progress import progress
 from storage import StageContext, Store
 
 NAME = "eval"
-VERSION = 5
+VERSION = 6
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
 PEERS = ("knorm", "snapkv", "first")
 RAG = {"rag": "bm25", "rag_dense": "dense"}  # arm -> retriever over the corpus's chunks
 RAG_CHUNK = 128  # tokens per retrieved chunk
-REUSABLE = ("bare", "icl", "full_kv", *PEERS, *RAG)
+REUSABLE = ("bare", "icl", "icl_window", "full_kv", *PEERS, *RAG)
 CLOSURES = ("icl_gap_closure", "icl_gap_closure_nll", "oracle_gap_closure", "oracle_gap_closure_nll")
 ARM_STAGE, ARM_FILE = "eval_arm", "scored.json"
+CORPUS_KEY = "*corpus*"  # the whole corpus, as opposed to one document of it
 SCORED_FIELDS = ("correct", "correct_gen", "hit_limit", "nll", "gold_nll", "kv_rows", "reply")
 
 
@@ -84,7 +85,7 @@ class Inputs:
 
     def doc_key(self, q: Question) -> str:
         """The document a question is asked against; the whole corpus when it names none."""
-        return q.doc if q.doc in self.docs else "*corpus*"
+        return q.doc if q.doc in self.docs else CORPUS_KEY
 
     def _context(self, key: str) -> list[int]:
         text = self.docs.get(key) or "\n".join(self.docs.values())
@@ -131,19 +132,26 @@ class Inputs:
         arms.append(Arm("fleet_oracle", key=lambda q: q.doc, rows=lambda q: fleet.rows([q.doc])))
         return arms, []
 
-    def arms(self, peers: bool = True) -> list[Arm]:
+    def arms(self, peers: bool = True, questions: list[Question] = ()) -> list[Arm]:
+        """`icl` and its control `full_kv` see the question's own document (on a corpus of several,
+        the oracle's pick) or else the corpus; `icl_window` (a corpus of several documents, questions
+        naming theirs) and every peer see what a user has: the corpus, cut to the window."""
         arms = [Arm("bare", key=lambda q: "", rows=lambda q: [])]
         key = self.doc_key
+        corpus = CORPUS_KEY
         if self.docs:
             arms.append(Arm("icl", key=key, context=lambda q: self.context(key(q))))
             arms.append(Arm("full_kv", key=key, rows=lambda q: self.full_kv(key(q))))
+            if len(self.docs) > 1 and any(q.doc in self.docs for q in questions):
+                arms.append(Arm("icl_window", key=lambda q: corpus, context=lambda q: self.context(corpus)))
         if self.parts:
             rows = compose_rows(self.parts)
             arms.append(Arm("cartridge", key=lambda q: "", rows=lambda q: rows))
         if self.parts and self.docs and peers:
-            arms.append(Arm("knorm", key=key, rows=lambda q: self.knorm(key(q))))
-            arms.append(Arm("snapkv", key=key, rows=lambda q: self.snapkv(key(q))))
-            arms.append(Arm("first", key=key, rows=lambda q: first_rows(self.full_kv(key(q)), self.budget)))
+            arms.append(Arm("knorm", key=lambda q: corpus, rows=lambda q: self.knorm(corpus)))
+            arms.append(Arm("snapkv", key=lambda q: corpus, rows=lambda q: self.snapkv(corpus)))
+            arms.append(Arm("first", key=lambda q: corpus,
+                            rows=lambda q: first_rows(self.full_kv(corpus), self.budget)))
         if self.parts and self.docs and len(context_ids(self.lm.tokenizer, [])) < self.budget:
             for name, kind in RAG.items():
                 arms.append(Arm(name, key=lambda q: q.question,
@@ -313,8 +321,8 @@ def run_notes(problems: list[str], reused: list[str], truncated: dict[str, int],
     notes = [f"{problem} (skipped)" for problem in problems]
     if reused:
         notes.append(f"arms reused from an identical earlier scoring (TTFT as measured then): {', '.join(reused)}")
-    notes += [f"ICL context of {d} cut by {n} tokens to fit the {window}-token window"
-              for d, n in truncated.items() if n]
+    notes += [f"ICL context of {'the corpus' if d == CORPUS_KEY else d} cut by {n} tokens to fit the "
+              f"{window}-token window" for d, n in truncated.items() if n]
     return notes
 
 
@@ -368,7 +376,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             raise CorpusError(f"{qa}: none of its questions is about a document in the corpus "
                               f"({', '.join(docs)})")
         inputs = Inputs(lm, cartridges, docs, fleet, rag_chunk)
-        plan = inputs.arms(peers)
+        plan = inputs.arms(peers, used)
         if fleet is not None:
             extra, why = inputs.fleet_arms(used)
             plan += extra

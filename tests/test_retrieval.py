@@ -85,3 +85,44 @@ def test_first_rows_are_the_truncated_context_in_context(lm):
     truncated = capture_rows(lm.model, ids[:budget])
     for (k1, v1), (k2, v2) in zip(cut, truncated, strict=True):
         assert k1.shape[1] == budget and torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
+
+
+def test_eval_on_a_corpus_longer_than_the_window_scores_every_arm_at_equal_rows(tmp_path):
+    """Three documents, together longer than the tiny model's 2,048-token window: every arm is
+    scored, the ICL contexts say how much they were cut, and the peers (the corpus's first rows,
+    knorm, SnapKV, both retrievers) hold the cartridge's rows."""
+    import json
+
+    from cartridges.core.cartridge import init_from_corpus
+    from cartridges.core.files import save_cartridge
+    from cartridges.evaluation.qa import read_questions
+    from stages import evaluate
+    from storage import Store
+
+    lm = tiny_llama()
+    names = ["a.md", "b.md", "c.md"]
+    texts = ["The apple code is 1001. " * 40, "The birch code is 2002. " * 40, "The cedar code is 3003. " * 40]
+    for name, text in zip(names, texts, strict=True):
+        (tmp_path / name).write_text(text)
+    assert sum(len(t) for t in texts) > lm.context_length  # byte-level tokens
+    qa = tmp_path / "q.jsonl"
+    qa.write_text("".join(json.dumps({"doc": n, "question": f"What is the {w} code?", "options": [c, "4004"],
+                                      "answer": 0}) + "\n"
+                          for n, w, c in zip(names, ("apple", "birch", "cedar"), ("1001", "2002", "3003"),
+                                             strict=True)))
+    cart = save_cartridge(tmp_path / "c.safetensors", init_from_corpus(lm, "".join(texts), p=128), lm.fingerprint)
+    questions, problems = read_questions(qa)
+    result = evaluate.run(Store(tmp_path / "s"), lm, str(qa), questions, problems, [str(cart)],
+                          [str(tmp_path / n) for n in names], max_new=2, log=lambda _: None, rag_chunk=32)
+    arms = result["arms"]
+    assert set(arms) == {"bare", "icl", "icl_window", "full_kv", "cartridge", "knorm", "snapkv", "first", "rag",
+                         "rag_dense"}
+    cart_rows = arms["cartridge"]["kv_rows"]
+    for arm in ("knorm", "snapkv", "first"):
+        assert arms[arm]["kv_rows"] == cart_rows
+    for arm in ("rag", "rag_dense"):
+        assert 0 <= cart_rows - arms[arm]["kv_rows"] < 32 + 2
+    assert arms["icl_window"]["kv_rows"] > arms["icl"]["kv_rows"]  # the window against one document
+    assert any("the corpus cut by" in n for n in result["notes"])  # said, not silent
+    for arm in arms.values():
+        assert arm["accuracy"] is not None and arm["gold_nll"] is not None
