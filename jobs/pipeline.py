@@ -9,6 +9,7 @@ chain; `run_pipeline` is the same run with plain calls.
 
 from __future__ import annotations
 
+import platform
 import shutil
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 from cartridges.core.health import health_fields
 from cartridges.core.models import LoadedModel
 from jobs import Call, plain
+from jobs.plan import corpus_tokens, estimate_seconds, plan_line, resolve
 from jobs.report import write_run_report
 from schemas import HealthConfig, PipelineConfig
 from stages import chunks, facts, train
@@ -53,6 +55,9 @@ def cartridge_run(
 ) -> Iterator[CartridgeRun]:
     """The catalog run around the stage calls made in the `with` body; on leaving it, the run's
     summary (in `.summary`) and report are written and the run is closed (failed on an error)."""
+    tokens = corpus_tokens(lm.tokenizer, corpus)
+    config = resolve(config, tokens)
+    print(plan_line(config, tokens, estimate_seconds(store, lm.compute_id, config)), flush=True)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):
@@ -84,6 +89,7 @@ def finish(run: CartridgeRun, save: str | Path | None, seconds: float) -> dict:
     summary["fact_coverage"] = facts.fact_coverage(store.table(a["facts"]).select(["conversations"]).to_pylist())
     arts = [a[stage.name] for stage in CARTRIDGE]
     summary.update(kind=NAME, run_id=run.job.run_id, seconds=seconds, **run.job.model.dtype_record(),
+                   model_id=run.job.model_id, machine=platform.node(),
                    skipped=[x.stage for x in arts if x.skipped])
     cartridge = store.dir(a["train"]) / train.CARTRIDGE_FILE
     if save:

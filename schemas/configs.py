@@ -330,6 +330,23 @@ class HealthConfig(_Config):
 
 
 @dataclasses.dataclass(frozen=True)
+class BudgetConfig(_Config):
+    """Budgets that follow the corpus: set, they fix `train.p` and `chunks.conversations` from the
+    corpus's tokens before the run starts (the stages see, and fingerprint, the numbers)."""
+
+    compression: float | None = option(None, "corpus tokens per cartridge row: sets --p from the corpus "
+                                             "(10: ten times fewer rows than the corpus has tokens)")
+    coverage: float | None = option(None, "training spans over each corpus token, on average: sets "
+                                          "--conversations from the corpus (the summary's coverage mean)")
+
+    def validate(self) -> None:
+        for name in ("compression", "coverage"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise _bad(self, name, "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig(_Config):
     ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig)
     chunks: ChunkConfig = dataclasses.field(default_factory=ChunkConfig)
@@ -337,6 +354,7 @@ class PipelineConfig(_Config):
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
+    budget: BudgetConfig = dataclasses.field(default_factory=BudgetConfig)
 
 
 DISTRACTOR_MODES: tuple[str, ...] = ("train", "frozen")
