@@ -128,6 +128,8 @@ def create_app(lm: LoadedModel, selector: Selector, engine: Engine, config: Serv
             engine.cancel(job)
             raise
         headers = {"X-Cartridges": ",".join(info.names)}
+        if info.fleet_version is not None:
+            headers["X-Fleet-Version"] = info.fleet_version
         if params.stream:
             return StreamingResponse(_sse(engine, lm, job, events, info, params), media_type="text/event-stream",
                                      headers={**headers, "Cache-Control": "no-cache"})
@@ -147,8 +149,11 @@ def _usage(info: Accepted, completion: int) -> dict:
 
 
 def _envelope(job: Job, info: Accepted, obj: str) -> dict:
-    return {"id": job.id, "object": obj, "created": int(job.created), "model": job.params.model,
-            "system_fingerprint": f"v{info.version}", "cartridges": list(info.names)}
+    out = {"id": job.id, "object": obj, "created": int(job.created), "model": job.params.model,
+           "system_fingerprint": f"v{info.version}", "cartridges": list(info.names)}
+    if info.fleet_version is not None:
+        out["fleet_version"] = info.fleet_version
+    return out
 
 
 async def _tokens(engine: Engine, lm: LoadedModel, job: Job, events: asyncio.Queue, params: ChatParams,

@@ -41,6 +41,7 @@ class Accepted:
     names: tuple[str, ...]
     version: int
     max_tokens: int
+    fleet_version: str | None = None
 
 
 @dataclass
@@ -170,7 +171,7 @@ class Engine:
                             draft_reference=sel.draft_reference)
         self.waiting.append(job)
         job.post("accepted", Accepted(sel.cached_tokens + n, sel.cached_tokens, sel.cartridge_rows, sel.names,
-                                      sel.version, max_new))
+                                      sel.version, max_new, sel.fleet_version))
 
     def _drop_cancelled(self) -> None:
         if any(job.cancelled.is_set() for job in self.waiting):

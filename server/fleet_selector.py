@@ -34,6 +34,7 @@ from cartridges.core.sharing import common_length
 from cartridges.fleet.api import Fleet
 from server.errors import bad_request, internal
 from server.selector import Selection, render_prompt
+from storage.versions import is_versioned
 
 COMPOSED_CACHE = 32  # compositions (tuples of documents) whose rows are kept composed
 
@@ -120,6 +121,7 @@ class _Opened:
     fleet: Fleet
     version: int
     loaded_at: float
+    fleet_version: str | None  # the published version read (`versions/NNNN`); None for a plain fleet directory
     conversations: Conversations
     composed: OrderedDict[tuple[str, ...], Rows] = field(default_factory=OrderedDict)
 
@@ -156,7 +158,9 @@ class FleetSelector:
         fleet.index()  # a missing or corrupted index fails here, not on the first request
         if not fleet.names:
             raise CartridgeError(f"{self.directory}: the fleet has no documents")
-        return _Opened(fleet, version, time.time(), Conversations(self.max_conversations, self.max_conversation_rows))
+        published = fleet.directory.name if is_versioned(self.directory) else None
+        return _Opened(fleet, version, time.time(), published,
+                       Conversations(self.max_conversations, self.max_conversation_rows))
 
     # --- on the engine thread -------------------------------------------------------------
     def select(self, messages: list[dict]) -> Selection:
@@ -196,7 +200,7 @@ class FleetSelector:
                 state.conversations.put(key, Conversation(names, ids, kv))
 
         return Selection(rows=rows, prompt=prompt, names=names, cached_tokens=cached, version=state.version,
-                         on_finish=keep)
+                         fleet_version=state.fleet_version, on_finish=keep)
 
     def _choose(self, fleet: Fleet, conv: Conversation | None, users: list[str]) -> tuple[str, ...]:
         k = self.rag_docs
@@ -243,7 +247,8 @@ class FleetSelector:
         with self._lock:
             conversations, rows = len(state.conversations), state.conversations.rows
         return {"mode": "fleet", "version": state.version, "loaded_at": state.loaded_at,
-                "fleet": str(self.directory), "documents": state.fleet.names, "p": m.p, "rounds": m.rounds,
+                "fleet": str(self.directory), "fleet_version": state.fleet_version,
+                "documents": state.fleet.names, "p": m.p, "rounds": m.rounds,
                 "rag_docs": self.rag_docs, "rag_adaptive": self.adaptive, "rag_margin": self.margin,
                 "max_prefix_rows": self.rag_docs * m.p,
                 "conversations": conversations, "conversation_rows": rows,

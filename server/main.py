@@ -116,11 +116,13 @@ def run(args: argparse.Namespace) -> int:
         if not Path(path).is_file():
             raise CartridgeFileError(f"{path}: no such cartridge file")
     if args.fleet:
-        from cartridges.fleet.manifest import read_manifest
+        from cartridges.fleet.manifest import read_manifest, resolve
 
         if not Path(args.fleet).is_dir():
             raise FleetError(f"{args.fleet}: no such fleet directory")
-        read_manifest(args.fleet)  # a missing or damaged manifest is a one-line error before the model loads
+        # a missing or damaged manifest (of the live version, for a published root) is a one-line
+        # error before the model loads
+        read_manifest(resolve(args.fleet))
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, args.device, args.dtype)

@@ -37,6 +37,7 @@ class Selection:
     cached_tokens: int = 0  # conversation tokens already inside `rows`
     draft_reference: tuple[int, ...] = ()  # text drafts may come from (`serve --spec`): the cartridges' corpora
     version: int = 0  # the selector's version when selected (reload counter)
+    fleet_version: str | None = None  # the published fleet version the rows were read from (`versions/NNNN`)
     # Called on the engine thread with the stream's rows (prefix, prompt, tokens fed) and its
     # tokens when it finishes: how fleet follow-ups keep a conversation's KV.
     on_finish: Callable[[list[tuple[torch.Tensor, torch.Tensor]], list[int]], None] | None = field(
