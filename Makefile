@@ -20,7 +20,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-dtype curve curve-plot clean gpu-check-dry
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet soak bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-dtype curve curve-plot clean gpu-check-dry
 
 setup: $(STAMP)
 
@@ -92,6 +92,14 @@ SERVE_ARGS ?=
 serve-fleet: setup
 	@test -f $(FLEET)/fleet.json || { echo "$(FLEET) holds no fleet: run 'make fleet' first"; exit 2; }
 	$(BIN)/cartridges serve --fleet $(FLEET) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# A soak of `serve --fleet` (docs/RELIABILITY.md): mixed traffic for MINUTES while a new fleet version is
+# published and reloaded every few minutes; errors, p50/p99 per 5-minute window, RSS over time.
+# SOAK_ARGS passes further options (e.g. "--model tiny --window-s 60").
+MINUTES ?= 30
+SOAK_ARGS ?=
+soak: setup
+	$(BIN)/python -m bench.soak --minutes $(MINUTES) $(SOAK_ARGS) --json
 
 bench-synth: setup
 	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 64
