@@ -107,8 +107,9 @@ def question(rng: random.Random, pool: list[str]) -> str:
 # --- the server and one request -------------------------------------------------------------
 def start_fleet_server(model: Path | str, root: Path, log: Path, max_batch: int = 8, max_tokens: int = 32,
                        threads: int = 1, dtype: str | None = None, name: str = SERVED_NAME,
-                       timeout: float = 600) -> tuple[subprocess.Popen, str]:
-    """`cartridges serve --fleet ROOT` as its own process on a free loopback port: (process, base URL)."""
+                       timeout: float = 600) -> tuple[subprocess.Popen, str, str]:
+    """`cartridges serve --fleet ROOT` as its own process on a free loopback port: (process, base URL, the
+    line it printed when ready: what it serves, on which model, device and dtype)."""
     cmd = [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())", "serve",
            "--fleet", str(root), "--model", str(model), "--port", "0", "--threads", str(threads),
            "--max-batch", str(max_batch), "--max-tokens-cap", str(max_tokens),
@@ -123,7 +124,7 @@ def start_fleet_server(model: Path | str, root: Path, log: Path, max_batch: int 
         if not line:
             raise RuntimeError(f"server exited during start-up (exit {proc.wait()}); see {log}")
         if " at http://" in line:
-            return proc, line.split(" at ", 1)[1].split()[0].removesuffix("/v1")
+            return proc, line.split(" at ", 1)[1].split()[0].removesuffix("/v1"), line.strip()
     proc.kill()
     raise RuntimeError(f"server did not start within {timeout:.0f} s")
 
@@ -335,7 +336,7 @@ def run(minutes: float = 30.0, window_s: float = 300.0, model: str | None = None
         pub.join(30)
         raise RuntimeError(f"building the first fleet version failed: {(first or {}).get('error', 'no report')}")
     publishes.append({**first, "t_s": 0.0})
-    proc, url = start_fleet_server(model, root, work / "server.log", max_batch, max_tokens, threads, dtype)
+    proc, url, banner = start_fleet_server(model, root, work / "server.log", max_batch, max_tokens, threads, dtype)
     results: list[dict] = []
     rss: list[tuple[float, int, int | None]] = []
     try:
@@ -380,7 +381,7 @@ def run(minutes: float = 30.0, window_s: float = 300.0, model: str | None = None
             pub.terminate()
         stop_server(proc)
     return report(results, warm, rss, rss_warm, rss_end, publishes, errors_outside, health, alive, elapsed,
-                  minutes * 60, window_s, model=model, clients=clients, max_batch=max_batch, max_tokens=max_tokens,
+                  minutes * 60, window_s, model=model, server=banner, clients=clients, max_batch=max_batch, max_tokens=max_tokens,
                   publish_every_s=publish_every_s, documents=sorted(base), threads=threads)
 
 
@@ -437,6 +438,7 @@ def report(results: list[dict], warm: list[dict], rss: list, rss_warm: int, rss_
 def table(r: dict) -> str:
     lines = [f"soak: {r['minutes']:.1f} min on {r['model']} ({r['cpu']}), {r['clients']} clients, "
              f"max batch {r['max_batch']}, a version published {r['publish_every_s']:.0f} s after the last",
+             f"server: {r['server']}",
              f"requests {r['requests']} ({', '.join(f'{k} {v}' for k, v in sorted(r['kinds'].items()))}); "
              f"errors {r['errors']}" + (f": {r['error_samples']}" if r["errors"] else ""),
              f"published {r['published']} versions, server reloads {r['reloads']}, now serving "

@@ -163,7 +163,7 @@ def run(tmp_path) -> None:
     write_documents(docs, 0)
     run_retrain(store, lm, [docs], root, cfg, log=quiet)
     published = [snapshot()]
-    proc, url = start_fleet_server(model, root, tmp_path / "server.log", max_batch=8, max_tokens=MAX_TOKENS,
+    proc, url, _ = start_fleet_server(model, root, tmp_path / "server.log", max_batch=8, max_tokens=MAX_TOKENS,
                                    dtype="float32", name="f")
     (tmp_path / "server.pid").write_text(str(proc.pid))
 

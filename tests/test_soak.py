@@ -45,3 +45,4 @@ def test_a_short_soak_with_reloads_has_no_errors_and_reports_windows_latency_and
     assert all(rows >= 0 for _, _, rows in r["rss"]) and r["max_conversation_rows_kept"] > 0  # kept KV, beside RSS
     assert math.isclose(r["rss_ratio_end"], r["rss"][-1][1], abs_tol=1e-4)
     assert r["rss_ratio_max"] >= r["rss_ratio_end"] and r["cpu"] and r["minutes"] >= 1
+    assert "serving 'soak' (fleet of 3 documents, 2 per conversation on tiny-llama, cpu, " in r["server"]
