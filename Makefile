@@ -90,7 +90,7 @@ serve: setup
 # e.g. "--rag-docs 2 --rag-adaptive").
 SERVE_ARGS ?=
 serve-fleet: setup
-	@test -f $(FLEET)/fleet.json || { echo "$(FLEET) holds no fleet: run 'make fleet' first"; exit 2; }
+	@test -f $(FLEET)/fleet.json -o -f $(FLEET)/current/fleet.json || { echo "$(FLEET) holds no fleet: run 'make fleet' first"; exit 2; }
 	$(BIN)/cartridges serve --fleet $(FLEET) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 # A soak of `serve --fleet` (docs/RELIABILITY.md): mixed traffic for MINUTES while a new fleet version is
