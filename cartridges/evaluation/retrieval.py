@@ -16,7 +16,7 @@ import faiss
 import numpy as np
 
 from cartridges.core.chat import system_ids
-from cartridges.core.similarity import BM25, apply_centroid, center, embed_ids, suffix_ids
+from cartridges.core.similarity import BM25, apply_centroid, center, embed_text
 
 RETRIEVERS = ("bm25", "dense")
 SEPARATOR = "\n\n"
@@ -56,21 +56,17 @@ class Retriever:
             self.bm25 = BM25.build([c.text for c in chunks])
             return
         self.model, self.tokenizer = model, tokenizer
-        suffix = suffix_ids(tokenizer)
-        raw = np.stack([embed_ids(model, self._ids(c.text) + suffix) for c in chunks])
+        raw = np.stack([embed_text(model, tokenizer, c.text) for c in chunks])
         vectors, self.centroid = center(raw)
         self.index = faiss.IndexFlatIP(vectors.shape[1])
         self.index.add(vectors)
-
-    def _ids(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def rank(self, question: str) -> list[int]:
         """Chunk indices, best first (ties by corpus order)."""
         if self.kind == "bm25":
             scores = self.bm25.scores(question)
         else:
-            query = embed_ids(self.model, self._ids(question) + suffix_ids(self.tokenizer))
+            query = embed_text(self.model, self.tokenizer, question)
             found, ids = self.index.search(apply_centroid(query[None, :], self.centroid), len(self.chunks))
             scores = np.full(len(self.chunks), -np.inf)
             scores[ids[0]] = found[0]
