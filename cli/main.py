@@ -305,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
         for name in PREFECT_RUN_LOGGERS:
             logging.getLogger(name).addFilter(_no_traceback_for_user_errors)
     try:
+        if hasattr(args, "dtype"):  # a command that loads a model: threads for the cores free now
+            from cartridges.core.speed import choose_threads
+
+            choose_threads()
         with polite_stops(args.command):
             return COMMANDS[args.command](args)
     except Exception as exc:

@@ -6,13 +6,20 @@ With no `PREFECT_API_URL`, every flow run starts a temporary server, which on a 
 more than that on the first start, so the first command a newcomer runs failed. The
 project raises the limit unless the user's environment or Prefect profile sets it or
 points at a server of their own; a server that still does not start becomes one line.
+
+Prefect stops the temporary server at interpreter exit; a run killed outright (SIGKILL,
+the OOM killer) leaves it running, about 230 MB each. A server started under
+`server_errors` carries its owner's pid in its environment (`CARTRIDGES_PREFECT_OWNER`),
+and the next command that runs a flow stops those whose owner is gone (`reap_orphans`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 from cartridges.core.errors import CartridgeError
 
@@ -37,9 +44,53 @@ def allow_first_start() -> None:
     refresh_global_settings_context()
 
 
+OWNER_ENV = "CARTRIDGES_PREFECT_OWNER"
+SERVER_MODULE = b"prefect.server.api.server:create_app"
+
+
+def _parent(entry: Path) -> int:
+    stat = (entry / "stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the fields after the command name: state, ppid
+
+
+def orphaned_servers(proc: Path = Path("/proc")) -> list[int]:
+    """Temporary Prefect servers started by a cartridges process that is no longer their parent
+    (it died and they were re-parented). Servers of other programs carry no owner and are left alone."""
+    found = []
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if SERVER_MODULE not in (entry / "cmdline").read_bytes():
+                continue
+            owner = next((v for k, _, v in (e.partition(b"=") for e in (entry / "environ").read_bytes().split(b"\0"))
+                          if k == OWNER_ENV.encode()), None)
+            if owner is not None and owner.isdigit() and _parent(entry) != int(owner):
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return found
+
+
+def reap_orphans() -> list[int]:
+    """Stop (SIGTERM) the temporary servers that killed cartridges runs left behind."""
+    stopped = []
+    for pid in orphaned_servers():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+            stopped.append(pid)
+    return stopped
+
+
 @contextlib.contextmanager
 def server_errors() -> Iterator[None]:
-    """Turn Prefect's failure to reach its temporary server into one line that says what to set."""
+    """Turn Prefect's failure to reach its temporary server into one line that says what to set.
+
+    Also marks the temporary server this process starts as its own, and first stops the ones
+    that killed runs left behind."""
+    reap_orphans()
+    before = os.environ.get(OWNER_ENV)
+    os.environ[OWNER_ENV] = str(os.getpid())  # inherited by the server Prefect starts for this run
     try:
         yield
     except RuntimeError as exc:
@@ -58,3 +109,8 @@ def server_errors() -> Iterator[None]:
             "Prefect has no API to report to: the active Prefect profile sets no PREFECT_API_URL and turns the "
             "temporary server off; set PREFECT_API_URL, set PREFECT_SERVER_EPHEMERAL_ENABLED=true, "
             "or pass --no-prefect") from None
+    finally:  # processes started after the block are not this run's server
+        if before is None:
+            os.environ.pop(OWNER_ENV, None)
+        else:
+            os.environ[OWNER_ENV] = before

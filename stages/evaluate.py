@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,7 +29,7 @@ from cartridges.core.corpus import expand, read_text
 from cartridges.core.errors import CorpusError
 from cartridges.core.files import check_fits, load_cartridge, save_cartridge
 from cartridges.core.models import LoadedModel
-from cartridges.core.prefix import capture_rows
+from cartridges.core.prefix import Rows, capture_rows, prefix_length
 from cartridges.evaluation.evaluate import (
     Arm,
     Scored,
@@ -65,7 +66,8 @@ class Inputs:
     """Arms over a model, cartridge files and documents; contexts and full KVs built once."""
 
     def __init__(self, lm: LoadedModel, cartridges: list[str], docs: dict[str, str], fleet=None,
-                 rag_chunk: int = RAG_CHUNK) -> None:
+                 rag_chunk: int = RAG_CHUNK, budget: int | None = None) -> None:
+        """`budget`: the rows the peers and retrieval hold when no cartridge sets them."""
         self.lm, self.docs, self.fleet, self.rag_chunk = lm, docs, fleet, rag_chunk
         self.selected: dict[str, list[str]] = {}  # question -> documents retrieved for it
         self.truncated: dict[str, int] = {}  # document -> context tokens cut to fit the window
@@ -74,7 +76,7 @@ class Inputs:
             cart = load_cartridge(path, device=lm.device, dtype=lm.dtype)
             check_fits(cart, lm.fingerprint, path)
             self.parts.append(cart)
-        self.budget = sum(c.p for c in self.parts) or None
+        self.budget = sum(c.p for c in self.parts) or budget
         self.rotary = rotary_of(lm.model)
         self.context = cached(self._context)
         self.full_kv = cached(self._full_kv)
@@ -111,10 +113,16 @@ class Inputs:
         chunks = corpus_chunks(self.lm.tokenizer, list(self.docs.values()), self.rag_chunk)
         return Retriever(chunks, kind, self.lm.model, self.lm.tokenizer)
 
-    def rag_context(self, kind: str, q: Question) -> list[int]:
-        """The corpus chunks `kind` ranks best for the question, filling the cartridge's rows."""
+    def rag_context(self, kind: str, q: Question, rows: int | None = None) -> list[int]:
+        """The corpus chunks `kind` ranks best for the question, filling `rows` (the budget)."""
         retriever = self.retriever(kind)
-        return fill(self.lm.tokenizer, retriever.chunks, retriever.rank(q.question), self.budget)[1]
+        return fill(self.lm.tokenizer, retriever.chunks, retriever.rank(q.question), rows or self.budget)[1]
+
+    def rag_beside(self, name: str, rows_of: Callable[[Question], Rows], kind: str = "bm25") -> Arm:
+        """`rows_of`'s prefix rows, then the chunks `kind` ranks best in what they leave of the budget."""
+        def context(q: Question) -> list[int]:
+            return self.rag_context(kind, q, self.budget - prefix_length(rows_of(q)))
+        return Arm(name, key=lambda q: q.question, rows=rows_of, context=context)
 
     def retrieve(self, q: Question) -> list[str]:
         if q.question not in self.selected:
@@ -147,12 +155,12 @@ class Inputs:
         if self.parts:
             rows = compose_rows(self.parts)
             arms.append(Arm("cartridge", key=lambda q: "", rows=lambda q: rows))
-        if self.parts and self.docs and peers:
+        if self.budget and self.docs and peers:
             arms.append(Arm("knorm", key=lambda q: corpus, rows=lambda q: self.knorm(corpus)))
             arms.append(Arm("snapkv", key=lambda q: corpus, rows=lambda q: self.snapkv(corpus)))
             arms.append(Arm("first", key=lambda q: corpus,
                             rows=lambda q: first_rows(self.full_kv(corpus), self.budget)))
-        if self.parts and self.docs and len(context_ids(self.lm.tokenizer, [])) < self.budget:
+        if self.budget and self.docs and len(context_ids(self.lm.tokenizer, [])) < self.budget:
             for name, kind in RAG.items():
                 arms.append(Arm(name, key=lambda q: q.question,
                                 context=lambda q, kind=kind: self.rag_context(kind, q)))

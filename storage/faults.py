@@ -8,7 +8,10 @@
   `InjectedFault`), `enospc` (raise `OSError(ENOSPC)`, a full disk), or `stop` (SIGSTOP:
   the process halts there until SIGCONT, so a test can signal it at a known place), or
   `fill` (fill the filesystem that holds the file `$CARTRIDGES_FAULT_FILL` until it is full,
-  then go on: the run's next real write meets a real full disk).
+  then go on: the run's next real write meets a real full disk), or `wait` (once across
+  processes: write the pid to the file `$CARTRIDGES_FAULT_WAIT` and sleep there until a
+  signal ends the wait, so a test can stop a run it does not own, such as a Prefect flow run,
+  at a known place; a process that finds the file already there goes on).
 
 `last_point()` is the newest point this process passed (a stopped run names its step).
 
@@ -22,11 +25,13 @@ import errno
 import fnmatch
 import os
 import signal
+import time
 
 ENV = "CARTRIDGES_FAULT"
 TRACE_ENV = "CARTRIDGES_FAULT_TRACE"
 FILL_ENV = "CARTRIDGES_FAULT_FILL"
-MODES = ("kill", "raise", "enospc", "stop", "fill")
+WAIT_ENV = "CARTRIDGES_FAULT_WAIT"
+MODES = ("kill", "raise", "enospc", "stop", "fill", "wait")
 
 _hits: dict[str, int] = {}
 _last: list[str] = []
@@ -76,7 +81,22 @@ def fault_point(name: str) -> None:
     if mode == "fill":
         fill_disk(os.environ[FILL_ENV])
         return
+    if mode == "wait":
+        wait_for_signal(os.environ[WAIT_ENV])
+        return
     os.kill(os.getpid(), signal.SIGSTOP if mode == "stop" else signal.SIGKILL)
+
+
+def wait_for_signal(marker: str) -> None:
+    """Sleep until a signal handler raises, unless another process has waited on `marker` already."""
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
 
 
 def fill_disk(path: str, block: int = 1 << 16) -> int:

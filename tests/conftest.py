@@ -31,6 +31,23 @@ logging.raiseExceptions = False
 
 
 @pytest.fixture(autouse=True)
+def _threads_kept():
+    """A command run in-process sets torch's threads from the idle cores; the next test gets them back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_fault_counts(monkeypatch):
     """Fault points count hits per process (`@n`); each test starts from zero."""
     monkeypatch.setattr("storage.faults._hits", {})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Crash tests kill runs outright; stop the temporary Prefect servers they leave behind."""
+    from flows.ephemeral import reap_orphans
+
+    reap_orphans()

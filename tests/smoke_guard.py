@@ -41,14 +41,18 @@ FLEET_DOCS = {
     "apples.md": "Apples grow on trees in orchards and ripen in the autumn sun. " * 6,
     "rockets.md": "Rockets burn fuel to climb out of the atmosphere into orbit. " * 6,
 }
+# Digests of a safetensors file's float bytes, held in its metadata: loose compares the floats instead.
+CHECKSUMS = ("checksum", "header_checksum")
 # Wall-clock fields and paths that name the temporary directory.
 VOLATILE = {"seconds", "started_at", "finished_at", "created_at", "run_id", "elapsed_s", "wall_s",
-            "updated_at", "written_at", "path", "store"}
+            "updated_at", "written_at", "path", "store",
+            "threads", "threads_reason"}  # chosen from the cores idle at the start
 
 
-def machine() -> dict[str, str]:
+def machine() -> dict[str, str | int]:
+    """What the last bits depend on: the kernels, and the threads that split their sums."""
     return {"capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "threads": torch.get_num_threads()}
 
 
 def _is_float(t: pa.DataType) -> bool:
@@ -76,6 +80,18 @@ def _sums(xs: list[float]) -> list[float]:
 
 def _sha(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _floats_out(obj: Any, floats: list[float]) -> Any:
+    """`obj` with its floats replaced by a marker, and the floats collected (in order)."""
+    if isinstance(obj, dict):
+        return {k: _floats_out(v, floats) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_floats_out(v, floats) for v in obj]
+    if isinstance(obj, float):
+        floats.append(obj)
+        return "<float>"
+    return obj
 
 
 def _volatile(key: str) -> bool:
@@ -110,10 +126,11 @@ def _file_digest(path: Path) -> tuple[str, Any]:
                                                                                 .numpy().tobytes()).hexdigest()]
                              for k, v in sorted(tensors.items())]])
         loose = {k: [list(v.shape), _sums(v.double().flatten().tolist())] for k, v in sorted(tensors.items())}
-        return exact, [loose, ("exact", _sha(meta))]
+        return exact, [loose, ("exact", _sha({k: v for k, v in meta.items() if k not in CHECKSUMS}))]
     if path.suffix == ".json":
         data = _strip(json.loads(path.read_text()))
-        return _sha(data), ("exact", _sha(data))
+        floats: list[float] = []
+        return _sha(data), [("exact", _sha(_floats_out(data, floats))), ("float", _sums(floats))]
     data = path.read_bytes()
     return hashlib.sha256(data).hexdigest(), ("exact", hashlib.sha256(data).hexdigest())
 

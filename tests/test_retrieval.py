@@ -87,6 +87,33 @@ def test_first_rows_are_the_truncated_context_in_context(lm):
         assert k1.shape[1] == budget and torch.allclose(k1, k2, atol=1e-5) and torch.allclose(v1, v2, atol=1e-5)
 
 
+def test_rows_beside_chunks_score_as_those_tokens_prefilled_before_the_chunks(lm):
+    """The cartridge-plus-retrieval arm: rows that are the exact KV of some tokens, then the chunks
+    retrieval picks for what the rows leave of the budget, score every option as a plain prefill of
+    those tokens followed by the chunks; the two together hold at most the budget."""
+    from cartridges.evaluation.evaluate import Arm, score_arm
+    from cartridges.evaluation.qa import Question
+    from stages.evaluate import Inputs
+
+    budget = 120
+    inputs = Inputs(lm, [], {"a.md": DOCS[0], "b.md": DOCS[1], "c.md": DOCS[2]}, rag_chunk=16, budget=budget)
+    lead = system_ids(lm.tokenizer, "Notes on three places.")
+    rows = capture_rows(lm.model, torch.tensor(lead))
+    q = Question(1, "When is the quokka festival held?", 0, ("In June", "In May"), "a.md")
+    combo = inputs.rag_beside("combo", lambda q: rows)
+    context = combo.context(q)
+    assert len(lead) + len(context) <= budget
+    assert budget - len(lead) - len(context) < 16 + 2  # within one chunk of what the rows leave
+    assert context == inputs.rag_context("bm25", q, budget - len(lead))
+    scored, _ = score_arm(lm, combo, [q], likelihood_only=True)
+    reference, _ = score_arm(lm, Arm("prefill", key=lambda q: "", context=lambda q: lead + context), [q],
+                             likelihood_only=True)
+    assert scored[0].kv_rows == reference[0].kv_rows
+    assert scored[0].gold_nll == pytest.approx(reference[0].gold_nll, abs=1e-4)
+    bare, _ = score_arm(lm, Arm("bare", key=lambda q: "", rows=lambda q: []), [q], likelihood_only=True)
+    assert abs(bare[0].gold_nll - scored[0].gold_nll) > 1e-3  # the rows and chunks are read at all
+
+
 def test_eval_on_a_corpus_longer_than_the_window_scores_every_arm_at_equal_rows(tmp_path):
     """Three documents, together longer than the tiny model's 2,048-token window: every arm is
     scored, the ICL contexts say how much they were cut, and the peers (the corpus's first rows,

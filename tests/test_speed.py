@@ -77,7 +77,8 @@ def test_the_real_probe_compares_the_two_dtypes_on_this_machine():
 def test_an_explicit_dtype_is_never_probed(monkeypatch, tiny_model_dir):
     fake_cpu(monkeypatch, "AVX512", None)
     lm = load_model(str(tiny_model_dir), "cpu", "float32")
-    assert lm.dtype_record() == {"dtype": "float32", "dtype_reason": "requested"}
+    record = lm.dtype_record()
+    assert (record["dtype"], record["dtype_reason"]) == ("float32", "requested")
 
 
 @pytest.mark.parametrize(("capability", "speedup", "expected"),
@@ -97,3 +98,49 @@ def test_train_without_dtype_records_the_machine_choice(monkeypatch, tmp_path, t
     assert summary["dtype"] == expected and summary["dtype_reason"]
     assert capability in summary["dtype_reason"]
     assert ("probe" in summary["dtype_reason"]) == (speedup is not None)
+
+
+def fake_stat(path, samples: list[list[tuple[int, int]]]):
+    """A /proc/stat that shows `samples` in turn: per CPU, (busy ticks, idle ticks)."""
+    def write(sample):
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        lines += [f"cpu{i} {busy} 0 0 {idle} 0 0 0 0 0 0" for i, (busy, idle) in enumerate(sample)]
+        path.write_text("\n".join(lines) + "\n")
+    write(samples[0])
+    return lambda _seconds: write(samples[1])
+
+
+def test_threads_follow_the_cores_idle_at_start(monkeypatch, tmp_path):
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(speed.time, "sleep", fake_stat(stat, [[(100, 100), (100, 100)], [(200, 100), (100, 200)]]))
+    assert speed.idle_cores([0, 1], stat=stat) == pytest.approx(1.0)  # cpu0 busy throughout, cpu1 idle
+    monkeypatch.setattr(speed.time, "sleep", fake_stat(stat, [[(100, 100), (100, 100)], [(200, 100), (100, 200)]]))
+    assert speed.idle_cores([1], stat=stat) == pytest.approx(1.0)  # only the cores this process may use count
+    for env in (speed.THREADS_ENV, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(speed.os, "sched_getaffinity", lambda pid: {0, 1})
+    kept = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(speed, "idle_cores", lambda cpus: 1.1)
+        assert speed.choose_threads() == (1, "1.1 of the 2 cores this process may use were idle at start")
+        assert torch.get_num_threads() == 1 and speed.threads_record()["threads"] == 1
+        monkeypatch.setattr(speed, "idle_cores", lambda cpus: 0.2)  # all busy: still one thread
+        assert speed.choose_threads()[0] == 1
+        monkeypatch.setattr(speed, "idle_cores", lambda cpus: 1.9)
+        assert speed.choose_threads()[0] == 2
+        monkeypatch.setenv(speed.THREADS_ENV, "3")
+        assert speed.choose_threads() == (3, f"{speed.THREADS_ENV}=3")
+        monkeypatch.setenv(speed.THREADS_ENV, "many")
+        with pytest.raises(ValueError, match=f"{speed.THREADS_ENV}='many'"):
+            speed.choose_threads()
+    finally:
+        torch.set_num_threads(kept)
+
+
+def test_a_commands_json_records_its_threads(tmp_path, tiny_model_dir, capsys, monkeypatch):
+    from cli.main import main
+
+    monkeypatch.setenv(speed.THREADS_ENV, "1")
+    assert main(["model", "--model", str(tiny_model_dir), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["threads"] == 1 and out["threads_reason"] == f"{speed.THREADS_ENV}=1"

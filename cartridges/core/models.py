@@ -20,7 +20,7 @@ import torch
 from cartridges.core.attention import use_grouped_sdpa
 from cartridges.core.errors import ModelError
 from cartridges.core.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
-from cartridges.core.speed import DtypeChoice, choose_dtype, model_shape
+from cartridges.core.speed import DtypeChoice, choose_dtype, model_shape, threads_record
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,8 +55,8 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
     def dtype_record(self) -> dict:
-        """The dtype the model runs in and why: run summaries and `--json` carry it."""
-        return DtypeChoice(self.dtype, self.dtype_reason).record()
+        """The dtype the model runs in and why, and the threads: run summaries and `--json` carry them."""
+        return {**DtypeChoice(self.dtype, self.dtype_reason).record(), **threads_record()}
 
     @property
     def fingerprint(self) -> dict:

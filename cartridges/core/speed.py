@@ -6,8 +6,14 @@ emulates it. So `--dtype auto` takes float32 on CPUs whose capability rules bflo
 out, and elsewhere times the model's own matmul shape in both dtypes, once per
 machine (cached under `$XDG_CACHE_HOME/cartridges/`), choosing bfloat16 only when it
 is clearly faster. bfloat16 cartridges score within noise of float32
-(docs/BENCHMARKS.md), so speed alone decides. Thread counts follow the cores this
-process may run on, which torch reads from the CPU affinity.
+(docs/BENCHMARKS.md), so speed alone decides.
+
+Threads follow the cores that are free when a command starts: of the cores this process
+may run on (its CPU affinity), those that sat idle over a short sample of `/proc/stat`.
+torch's default, one thread per core, loses badly when another process keeps a core busy:
+every parallel step then waits for the thread that shares that core (on a 2-core machine
+with one core busy, scoring ran 2.7x slower with 2 threads than with 1).
+`CARTRIDGES_THREADS` (or `OMP_NUM_THREADS`) fixes the count instead.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ MIN_SPEEDUP = 1.2
 # torch's CPU capabilities whose kernels have no native bfloat16 path.
 NO_BF16_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX", "AVX2", "VSX", "ZVECTOR")
 PROBE_ROWS = 64
+THREADS_ENV = "CARTRIDGES_THREADS"
+IDLE_SAMPLE_S = 0.25
+_threads_reason = "torch's default: one thread per core"
 
 
 @dataclass(frozen=True)
@@ -125,3 +134,55 @@ def model_shape(config: object) -> tuple[int, int]:
     hidden = int(getattr(config, "hidden_size", 0) or 512)
     inner = int(getattr(config, "intermediate_size", 0) or 4 * hidden)
     return hidden, inner
+
+
+def idle_cores(cpus: list[int], window: float = IDLE_SAMPLE_S, stat: Path = Path("/proc/stat")) -> float | None:
+    """How many of `cpus` sat idle over `window` seconds (idle and iowait time in `/proc/stat`);
+    None where the file cannot be read."""
+    def sample() -> dict[int, tuple[int, int]]:
+        out = {}
+        for line in stat.read_text().splitlines():
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks = [int(x) for x in fields[:8]]
+                out[int(name[3:])] = (sum(ticks), ticks[3] + ticks[4])
+        return out
+    try:
+        before = sample()
+        time.sleep(window)
+        after = sample()
+    except (OSError, ValueError):
+        return None
+    idle = 0.0
+    for cpu, (total, free) in after.items():
+        spent = total - before.get(cpu, (total, free))[0]
+        idle += (free - before[cpu][1]) / spent if spent > 0 and cpu in before else 1.0
+    return idle if after else None
+
+
+def choose_threads() -> tuple[int, str]:
+    """Set torch's thread count for this command from the cores free now (module docstring)."""
+    global _threads_reason
+    if os.environ.get(THREADS_ENV):
+        value = os.environ[THREADS_ENV]
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{THREADS_ENV}={value!r}: must be a whole number of threads, at least 1")
+        n, reason = int(value), f"{THREADS_ENV}={value}"
+    elif os.environ.get("OMP_NUM_THREADS"):
+        n, reason = torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+    else:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        idle = idle_cores(cpus)
+        if idle is None:
+            n, reason = len(cpus), f"{len(cpus)} cores this process may use"
+        else:
+            n = max(1, min(len(cpus), round(idle)))
+            reason = f"{idle:.1f} of the {len(cpus)} cores this process may use were idle at start"
+    torch.set_num_threads(n)
+    _threads_reason = reason
+    return n, reason
+
+
+def threads_record() -> dict:
+    """What a run summary and `--json` carry about threads."""
+    return {"threads": torch.get_num_threads(), "threads_reason": _threads_reason}

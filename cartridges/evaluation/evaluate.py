@@ -21,7 +21,7 @@ from cartridges.core.batch import Stream
 from cartridges.core.chat import end_of_turn_ids, system_ids
 from cartridges.core.generate import generate
 from cartridges.core.models import LoadedModel, cache_keyword, probe_geometry
-from cartridges.core.prefix import Rows, prefix_cache
+from cartridges.core.prefix import Rows, prefix_cache, prefix_length
 from cartridges.evaluation.qa import Question
 from cartridges.evaluation.scoring import (
     bootstrap_ci,
@@ -43,7 +43,8 @@ TTFT_QUESTIONS = 3
 
 @dataclass
 class Arm:
-    """How one arm sees a question: prefix rows (served path) or context ids (ICL path).
+    """How one arm sees a question: prefix rows (served path), context ids (ICL path), or both:
+    context tokens read behind the rows, as a cartridge beside retrieved chunks would be served.
 
     `key` groups questions that share the same rows or context, so each is built once.
     """
@@ -111,16 +112,17 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
     for idx in groups.values():
         first = questions[idx[0]]
         rows = arm.rows(first) if arm.rows else None
-        context = arm.context(first) if arm.context else None
-        context_rows = native_context(lm, context) if context else None
-        prefix = len(context) if context else (int(rows[0][0].shape[1]) if rows else 0)
+        context = arm.context(first) if arm.context else []
+        # context alone: the library's own prefill; behind rows: read on the prefix path
+        context_rows = native_context(lm, context) if context and rows is None else None
+        prefix = len(context) + (prefix_length(rows) if rows else 0)
         for i in idx:
             q, prompt = questions[i], plain[i]
             conts = [reply_ids(tok, prompt, r) for r in replies(q)]
             if context_rows is not None:
                 sums = logprobs_in_context(lm, context_rows, prompt, conts)
             else:
-                sums = logprobs_behind(lm, rows, prompt, conts)
+                sums = logprobs_behind(lm, rows, context + prompt, conts)
             s = scored[i]
             s.kv_rows = prefix + len(prompt)
             if q.multiple_choice:
@@ -137,7 +139,7 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
         if context_rows is not None:
             outs = [_generate_in_context(lm, context_rows, context, prompts[i], max_new, eot) for i in mc]
         else:
-            gens = generate(lm.model, [Stream(prompts[i], max_new, stop_ids=tuple(eot)) for i in mc],
+            gens = generate(lm.model, [Stream(context + prompts[i], max_new, stop_ids=tuple(eot)) for i in mc],
                             batch_size=batch_size, prefix_rows=rows)
             outs = [(g.tokens, g.finished == "length") for g in gens]
         for i, (tokens, limit) in zip(mc, outs, strict=True):
@@ -146,26 +148,23 @@ def score_arm(lm: LoadedModel, arm: Arm, questions: Sequence[Question], max_new:
             s = scored[i]
             s.reply, s.hit_limit = text, limit and len(tok(text, add_special_tokens=False)["input_ids"]) >= max_new - 1
             s.correct_gen = choose_option(text, questions[i].options) == questions[i].answer
-    return scored, float("nan") if likelihood_only else _arm_ttft(lm, arm, questions, prompts, eot)
+    return scored, float("nan") if likelihood_only else arm_ttft(lm, arm, questions, prompts, eot)
 
 
-def _arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts: list[list[int]],
-              eot: list[int]) -> float:
-    """Median seconds to the first answer token: ICL tokenizes and prefills its document;
-    a prefix arm prefills only the question behind rows that are already loaded."""
-    picks = list(range(min(TTFT_QUESTIONS, len(questions))))
+def arm_ttft(lm: LoadedModel, arm: Arm, questions: Sequence[Question], prompts: list[list[int]] | None = None,
+             eot: list[int] | None = None) -> float:
+    """Median seconds to the first answer token: ICL tokenizes and prefills its context;
+    a prefix arm prefills only the question (and any context) behind rows already loaded."""
+    eot = eot or end_of_turn_ids(lm.tokenizer)
+    prompts = prompts or [student_prompt(lm.tokenizer, question_text(q)) for q in questions]
     times = []
-    for i in picks:
+    for i in range(min(TTFT_QUESTIONS, len(questions))):
         q = questions[i]
-        if arm.context is not None:
-            def run(q=q, i=i):
-                ids = arm.context(q) + prompts[i]
-                generate(lm.model, [Stream(ids, 1, stop_ids=tuple(eot))], batch_size=1)
-        else:
-            rows = arm.rows(q) if arm.rows else None
+        rows = arm.rows(q) if arm.rows else None
 
-            def run(i=i, rows=rows):
-                generate(lm.model, [Stream(prompts[i], 1, stop_ids=tuple(eot))], batch_size=1, prefix_rows=rows)
+        def run(q=q, i=i, rows=rows):
+            ids = (arm.context(q) if arm.context else []) + prompts[i]
+            generate(lm.model, [Stream(ids, 1, stop_ids=tuple(eot))], batch_size=1, prefix_rows=rows)
         times.append(_seconds(run))
     return statistics.median(times) if times else float("nan")
 
