@@ -52,7 +52,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     parser.add_argument("--name", default=None,
                         help="model id clients use (default: the cartridge file names, or the fleet directory's name)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the cores idle at start, or CARTRIDGES_THREADS)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
