@@ -195,9 +195,12 @@ def score_point(corpus: Corpus, arm_name: str, budget: int, seed: int) -> dict:
               "reason": reason}
     if arm is None:
         return record
+    from stages.progress import progress
+
     lm = corpus.eval_lm
     scored_at = time.perf_counter()
-    scored, _ = score_arm(lm, arm, corpus.questions, likelihood_only=True)
+    with progress(len(corpus.questions), f"{corpus.name} {budget} {arm_name}", "question") as bar:
+        scored, _ = score_arm(lm, arm, corpus.questions, likelihood_only=True, progress=bar.update)
     summary = summarize_arm(lm, arm_name, scored, arm_ttft(lm, arm, corpus.questions), arm.notes)
     record.update({k: summary.get(k) for k in ("kv_rows", "kv_bytes", "ttft_s", "accuracy", "gold_nll")},
                   eval_s=time.perf_counter() - scored_at, wall_s=time.perf_counter() - start,

@@ -1,0 +1,69 @@
+"""The long-corpus table's runner: the order of its points, resuming, and the closure and
+paired-difference arithmetic against a direct computation."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from experiments import long_table as lt
+
+
+def record(corpus: str, budget: int, arm: str, nll: list[float], correct: list[int], seed: int = 0) -> dict:
+    return {"corpus": corpus, "budget": budget, "arm": arm, "seed": seed, "conversations": 0, "train": None, "wall_s": 1.0,
+            "reason": None, "kv_rows": budget or 30, "kv_bytes": 1024.0, "ttft_s": 0.1,
+            "accuracy": statistics.mean(correct), "gold_nll": statistics.mean(nll),
+            "questions": [{"line": i + 1, "doc": "a", "region": "middle", "correct": c, "gold_nll": n, "kv_rows": 30}
+                          for i, (n, c) in enumerate(zip(nll, correct, strict=True))]}
+
+
+def test_points_put_references_first_then_each_budget_whole():
+    got = lt.points(["c"], [512, 2048], ["bare", "icl_oracle", "rag", "cartridge"], [7])
+    assert got == [("c", 0, "bare", 0), ("c", 0, "icl_oracle", 0), ("c", 512, "rag", 0), ("c", 512, "cartridge", 7),
+                   ("c", 2048, "rag", 0), ("c", 2048, "cartridge", 7)]
+
+
+def test_closure_and_paired_difference_match_a_direct_computation():
+    bare = record("c", 0, "bare", [5.0, 6.0, 4.0, 5.0], [0, 0, 1, 0])
+    oracle = record("c", 0, "icl_oracle", [3.0, 2.0, 2.0, 3.0], [1, 1, 1, 0])
+    rag = record("c", 512, "rag", [4.0, 3.0, 3.0, 5.0], [1, 0, 1, 0])
+    cart = record("c", 512, "cartridge", [4.5, 4.0, 3.0, 4.0], [0, 1, 1, 1])
+    gap = statistics.mean([5 - 3, 6 - 2, 4 - 2, 5 - 3])  # 2.5
+    c = lt.closure_of(cart, bare, oracle)
+    assert c["value"] == pytest.approx((5.0 - statistics.mean([4.5, 4.0, 3.0, 4.0])) / gap)
+    assert c["ci"][0] <= c["value"] <= c["ci"][1]
+    d = lt.paired(cart, rag, bare, oracle)
+    assert d["closure"] == pytest.approx(statistics.mean([(4 - 4.5) / gap, (3 - 4) / gap, 0.0, (5 - 4) / gap]))
+    assert d["accuracy"] == pytest.approx(statistics.mean([-1, 1, 0, 1]))
+    assert d["closure_ci"][0] <= d["closure"] <= d["closure_ci"][1]
+    worse = record("c", 0, "icl_oracle", [6.0, 7.0, 5.0, 6.0], [0, 0, 0, 0])  # a ceiling below bare has no closure
+    assert lt.closure_of(cart, bare, worse)["value"] is None
+
+
+def test_the_table_reads_the_records_and_a_rerun_skips_finished_points(tmp_path, monkeypatch):
+    out = tmp_path / "long"
+    calls = []
+
+    def fake_point(corpus, arm, budget, seed):
+        calls.append((arm, budget, seed))
+        nll = {"bare": 5.0, "icl_oracle": 3.0, "icl_window": 4.0, "rag": 3.5}.get(arm, 4.2)
+        return record(corpus.name, budget, arm, [nll, nll + 0.5, nll - 0.5], [1, 0, 1], seed)
+
+    monkeypatch.setattr(lt, "score_point", fake_point)
+    monkeypatch.setattr("cartridges.core.models.load_model", lambda *a: object())
+    arms = ["bare", "icl_oracle", "icl_window", "rag", "snapkv"]
+    first = lt.run(["packaging-peps"], [512], arms, [7], 16, out, tmp_path / "store", "float32")
+    assert len(first["ran"]) == 5 and calls[:2] == [("bare", 0, 0), ("icl_oracle", 0, 0)]
+    again = lt.run(["packaging-peps"], [512], arms, [7], 16, out, tmp_path / "store", "float32")
+    assert again["ran"] == [] and again["skipped"] == 5 and len(calls) == 5
+    (out / "packaging-peps.jsonl").open("a").write('{"corpus": "packaging-pe')  # a write cut by a kill
+    result = lt.table(out)
+    rows = {r["arm"]: r for r in result["corpora"]["packaging-peps"]["rows"]}
+    assert rows["icl_oracle"]["closure"]["value"] == pytest.approx(1.0)
+    assert rows["rag"]["closure"]["value"] == pytest.approx(0.75)
+    assert rows["snapkv"]["vs_rag"]["closure"] == pytest.approx((3.5 - 4.2) / 2.0)
+    assert "vs_rag" not in rows["rag"]
+    assert "| 512 | snapkv |" in lt.markdown(result)
+    json.dumps(result)  # what --json prints
