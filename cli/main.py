@@ -7,6 +7,7 @@ import logging
 import sys
 
 from cartridges.core.errors import CartridgeError
+from cartridges.evaluation.arms import ARMS as EVAL_ARMS
 from cli.common import (
     COMMANDS,
     add_common,
@@ -199,7 +200,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     lm = load_model(args.model, args.device, args.dtype)
     result = evaluate.run(Store(args.store), lm, args.qa, questions, problems, args.cartridge or [],
                           args.corpus or [], max_new=args.max_new, peers=not args.no_peers, force=args.force,
-                          rag_chunk=args.rag_chunk,
+                          rag_chunk=args.rag_chunk, skip=tuple(args.skip or ()),
                           log=lambda line: print(line, file=sys.stderr), fleet_dir=args.fleet)
     print(evaluate.markdown_report(result))
     print(f"report: {result['report']}  chart: {result['chart']}"
@@ -265,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", action="append", help="documents for the in-context and full-KV arms")
     p.add_argument("--max-new", type=int, default=48, help="token budget of generated answers")
     p.add_argument("--no-peers", action="store_true", help="skip the KV-compression peer arms")
+    p.add_argument("--skip", nargs="+", metavar="ARM", choices=EVAL_ARMS,
+                   help=f"skip these arms ({', '.join(EVAL_ARMS)})")
     p.add_argument("--rag-chunk", type=int, default=128,
                    help="tokens per corpus chunk of the retrieval arms (rag: BM25, rag_dense: embeddings)")
     p.add_argument("--force", action="store_true", help="rerun even when an identical eval exists")

@@ -30,6 +30,7 @@ from cartridges.core.errors import CorpusError
 from cartridges.core.files import check_fits, load_cartridge, save_cartridge
 from cartridges.core.models import LoadedModel
 from cartridges.core.prefix import Rows, capture_rows, prefix_length
+from cartridges.evaluation.arms import ARMS, PEERS, RAG
 from cartridges.evaluation.evaluate import (
     Arm,
     Scored,
@@ -48,8 +49,6 @@ from storage import StageContext, Store
 NAME = "eval"
 VERSION = 6
 ANSWER_RESERVE = 256  # positions kept free after the ICL context for the question and answer
-PEERS = ("knorm", "snapkv", "first")
-RAG = {"rag": "bm25", "rag_dense": "dense"}  # arm -> retriever over the corpus's chunks
 RAG_CHUNK = 128  # tokens per retrieved chunk
 REUSABLE = ("bare", "icl", "icl_window", "full_kv", *PEERS, *RAG)
 CLOSURES = ("icl_gap_closure", "icl_gap_closure_nll", "oracle_gap_closure", "oracle_gap_closure_nll")
@@ -361,8 +360,12 @@ def write_outputs(ctx: StageContext, result: dict, answers: list[dict], run_id: 
 
 def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], problems: list[str],
         cartridges: list[str], corpus: list[str], max_new: int = 48, peers: bool = True, rag_chunk: int = RAG_CHUNK,
-        force: bool = False, run_id: str | None = None, log=print, fleet_dir: str | None = None) -> dict:
-    """Score every arm (or reuse an identical earlier eval) and return the result dict."""
+        force: bool = False, run_id: str | None = None, log=print, fleet_dir: str | None = None,
+        skip: tuple[str, ...] = ()) -> dict:
+    """Score every arm but those in `skip` (or reuse an identical earlier eval) and return the result dict."""
+    unknown = sorted(set(skip) - set(ARMS))
+    if unknown:
+        raise ValueError(f"eval: no arm named {', '.join(unknown)} (arms: {', '.join(ARMS)})")
     docs = read_docs(corpus) if corpus else {}
     fleet = None
     if fleet_dir:
@@ -374,7 +377,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
                   if fleet else None),
         "qa": _sha(Path(qa)), "cartridges": [_sha(Path(c)) for c in cartridges],
         "docs": {n: hashlib.sha256(t.encode()).hexdigest() for n, t in docs.items()},
-        "model": lm.compute_id, "max_new": max_new, "peers": peers, "rag_chunk": rag_chunk,
+        "model": lm.compute_id, "max_new": max_new, "peers": peers, "rag_chunk": rag_chunk, "skip": sorted(skip),
     }
     result: dict = {}
 
@@ -389,6 +392,7 @@ def run(store: Store, lm: LoadedModel, qa: str, questions: list[Question], probl
             extra, why = inputs.fleet_arms(used)
             plan += extra
             notes += why
+        plan = [arm for arm in plan if arm.name not in skip]
         arms, by_arm, answers, reused = score_arms(store, lm, plan, used, max_new, config, inputs.budget, force,
                                                    run_id, log)
         notes += run_notes(problems, reused, inputs.truncated, lm.context_length)

@@ -323,3 +323,20 @@ def test_fleet_eval_has_retrieval_and_oracle_arms(tiny_lm, tmp_path):
     assert result["arms"]["fleet_oracle"]["kv_rows"] == pytest.approx(
         one + statistics.mean(len(student_prompt(tiny_lm.tokenizer, q.question)) for q in questions))
     assert "oracle_gap_closure" in result and result["icl_gap_closure"]["metric"] == "accuracy"
+
+
+def test_skipped_arms_are_not_scored_and_an_unknown_arm_is_an_error(tiny_lm, tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("The zebra code is 4417. The lion code is 9021. " * 8)
+    qa = tmp_path / "q.jsonl"
+    qa.write_text(json.dumps({"doc": "doc.md", "question": "What is the zebra code?", "options": ["4417", "9021"],
+                              "answer": 0}) + "\n")
+    path = save_cartridge(tmp_path / "c.safetensors", init_from_corpus(tiny_lm, doc.read_text(), p=96),
+                          tiny_lm.fingerprint)
+    questions, problems = read_questions(qa)
+    result = evaluate.run(Store(tmp_path / "s"), tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
+                          max_new=2, log=lambda _: None, peers=False, skip=("full_kv", "rag_dense"))
+    assert set(result["arms"]) == {"bare", "icl", "cartridge", "rag"}
+    with pytest.raises(ValueError, match="no arm named fulkv"):
+        evaluate.run(Store(tmp_path / "s"), tiny_lm, str(qa), questions, problems, [str(path)], [str(doc)],
+                     skip=("fulkv",))
