@@ -32,6 +32,7 @@ from cartridges.core.models import LoadedModel
 from cartridges.core.prefix import Rows, prefix_length
 from cartridges.core.sharing import common_length
 from cartridges.fleet.api import Fleet
+from cartridges.fleet.manifest import MANIFEST
 from server.errors import bad_request, internal
 from server.selector import Selection, render_prompt
 from storage.versions import is_versioned
@@ -163,7 +164,7 @@ class FleetSelector:
                        Conversations(self.max_conversations, self.max_conversation_rows))
 
     # --- on the engine thread -------------------------------------------------------------
-    def select(self, messages: list[dict]) -> Selection:
+    def select(self, messages: list[dict], _retry: bool = True) -> Selection:
         state = self._state  # one read: a reload swaps fleet and conversations together
         key = identity(messages)
         users = user_messages(messages)
@@ -184,6 +185,11 @@ class FleetSelector:
             else:
                 rows, prompt = self._rows(state, names), full
         except CartridgeError as exc:  # a fleet file went bad under us: the server's fault, not the client's
+            if _retry and self._pruned(state):
+                # Cartridges load on first use; retention removed this version (the server missed the
+                # reloads of the versions after it): serve the live one instead of failing.
+                self.reload()
+                return self.select(messages, _retry=False)
             raise internal(f"fleet {self.directory}: {exc}") from exc
         with self._lock:
             if conv is None or names != conv.names:
@@ -201,6 +207,11 @@ class FleetSelector:
 
         return Selection(rows=rows, prompt=prompt, names=names, cached_tokens=cached, version=state.version,
                          fleet_version=state.fleet_version, on_finish=keep)
+
+    def _pruned(self, state: _Opened) -> bool:
+        """Whether the published version `state` serves has been removed (or is being removed)."""
+        d = state.fleet.directory
+        return state.fleet_version is not None and not (d.is_dir() and (d / MANIFEST).is_file())
 
     def _choose(self, fleet: Fleet, conv: Conversation | None, users: list[str]) -> tuple[str, ...]:
         k = self.rag_docs

@@ -404,3 +404,21 @@ def test_serve_flags_are_one_line_errors_before_the_model_loads(tmp_path, capsys
     assert cli_main(["serve", "--model", "no-such-model", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err and err.startswith("error:")
+
+
+def test_a_server_whose_version_was_pruned_serves_the_live_one_instead_of_failing(lm, built, tmp_path):
+    """Cartridges load on first use. A server that missed the reloads of three later versions finds its
+    own version removed by retention; the request is answered from the live version, not with a 500."""
+    from storage.versions import new_version, prune_versions, publish
+
+    root = tmp_path / "root"
+    publish(root, new_version(root, built / "f"))  # 0001
+    selector = FleetSelector(lm, root, rag_docs=1)
+    assert selector.describe()["fleet_version"] == "0001"
+    for _ in range(3):
+        publish(root, new_version(root))  # 0002..0004, the server not told
+    assert prune_versions(root, keep=3) == ["0001"]
+    turn = [{"role": "user", "content": chunk_of(lm, built, "d2.md")}]
+    sel = selector.select(turn)  # d2.md's cartridge was never loaded from 0001
+    assert sel.fleet_version == "0004" and sel.version == 2
+    assert torch.equal(sel.rows[0][0], Fleet.open(root, lm).rows(list(sel.names))[0][0])
