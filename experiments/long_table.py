@@ -46,7 +46,8 @@ K = 2  # fleet cartridges composed per question: each holds budget / K rows
 REFERENCES = ("bare", "icl_oracle", "icl_window")  # budget-free: recorded once per corpus, budget 0
 PEERS = ("icl_truncated", "knorm", "snapkv", "rag", "rag_dense")
 TRAINED = ("cartridge", "fleet_iso", "fleet_iso_oracle", "fleet_mixed", "fleet_mixed_oracle", "fleet_rag")
-ARMS = REFERENCES + PEERS + TRAINED
+CHUNKS = ("rag_c32", "rag_c64", "rag_c256")  # BM25 retrieval at other chunk sizes than the eval's 128
+ARMS = REFERENCES + PEERS + TRAINED + CHUNKS
 PRODUCT_NAME = {"icl_oracle": "icl", "icl_truncated": "first"}  # the eval's names for the same computations
 FLEET = {"budget": 4, "rotate_every": 10, "accum": 8, "lr": 2e-2, "warmup": 8, "heldout": 4, "rag_docs": K,
          "synth": {"gen_batch": 8}}
@@ -69,6 +70,7 @@ def points(corpora: Sequence[str], budgets: Sequence[int], arms: Sequence[str], 
         for b in budgets:
             out += [(corpus, b, arm, 0) for arm in PEERS if arm in arms]
             out += [(corpus, b, arm, s) for s in seeds for arm in TRAINED if arm in arms]
+            out += [(corpus, b, arm, 0) for arm in CHUNKS if arm in arms]
     return out
 
 
@@ -99,15 +101,16 @@ class Corpus:
         questions, _ = select_questions(read_questions(qa)[0], self.docs)
         self.questions = [q for q in questions if q.multiple_choice]
         self.store = store / name.replace(":", "-")
-        self.inputs: dict[int, object] = {}
+        self.inputs: dict[tuple, object] = {}  # by (budget, retrieval chunk)
         self.trained: dict[tuple, dict] = {}  # what a training call reported, by (kind, budget, seed)
 
-    def at(self, budget: int):
-        from stages.evaluate import Inputs
+    def at(self, budget: int, chunk: int | None = None):
+        from stages.evaluate import RAG_CHUNK, Inputs
 
-        if budget not in self.inputs:
-            self.inputs[budget] = Inputs(self.eval_lm, [], self.docs, budget=budget or None)
-        return self.inputs[budget]
+        key = (budget, chunk or RAG_CHUNK)
+        if key not in self.inputs:
+            self.inputs[key] = Inputs(self.eval_lm, [], self.docs, budget=budget or None, rag_chunk=key[1])
+        return self.inputs[key]
 
     def train_cartridge(self, budget: int, seed: int) -> tuple[Path, dict]:
         """The monolithic cartridge (one store per seed: budgets share its synthesis)."""
@@ -151,6 +154,9 @@ class Corpus:
         from cartridges.fleet import Fleet
 
         inputs = self.at(budget)
+        if name in CHUNKS:
+            chunked = self.at(budget, int(name.removeprefix("rag_c")))
+            return Arm(name, key=lambda q: q.question, context=lambda q: chunked.rag_context("bm25", q)), None, None
         if name in REFERENCES or name in PEERS:
             if name == "icl_window" and len(self.docs) < 2:
                 return None, None, "one-document corpus: icl_window is icl_oracle"
