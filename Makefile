@@ -43,9 +43,9 @@ demo: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128
 	$(BIN)/cartridges train --preset demo $(DTYPE_ARG) $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
 	$(BIN)/cartridges eval --qa docs/eval/builtin.jsonl --cartridge $(DEMO_CARTRIDGE) \
-		$(addprefix --corpus ,$(DEMO_CORPUS)) --no-peers --skip full_kv icl_window rag_dense
+		$(addprefix --corpus ,$(DEMO_CORPUS)) --no-peers --skip full_kv icl_window rag rag_dense --max-new 24
 	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
-		--question "What does the teacher stage keep for each answer token?" --max-new 64
+		--question "What does the teacher stage keep for each answer token?" --max-new 48
 
 cartridge: setup
 	$(BIN)/cartridges train $(DTYPE_ARG) --corpus $(CORPUS) $(if $(P),--p $(P)) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
