@@ -35,7 +35,7 @@ MIN_SPEEDUP = 1.2
 NO_BF16_CAPABILITIES = ("DEFAULT", "NO AVX", "AVX", "AVX2", "VSX", "ZVECTOR")
 PROBE_ROWS = 64
 THREADS_ENV = "CARTRIDGES_THREADS"
-IDLE_SAMPLE_S = 0.25
+IDLE_SAMPLE_S = 0.15
 _threads_reason = "torch's default: one thread per core"
 
 
