@@ -177,7 +177,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     results = ask_arms(args.model, args.device, args.cartridge or [], question, args.corpus or [], args.max_new,
                        args.dtype)
     for arm in results:
-        print(f"--- {arm['arm']}: {arm['kv_rows']} KV rows, time to first token {arm['ttft_s'] * 1000:.0f} ms")
+        cut = f" (corpus cut by {arm['corpus_tokens_cut']} tokens to fit the window)" if arm.get("corpus_tokens_cut") else ""
+        print(f"--- {arm['arm']}: {arm['kv_rows']} KV rows, time to first token {arm['ttft_s'] * 1000:.0f} ms{cut}")
         print(arm["answer"])
     emit_json(args, {"question": question, "arms": results})
     return 0
