@@ -43,7 +43,7 @@ demo: setup
 	$(BIN)/cartridges equiv --corpus $(CORPUS) --p 256 --suffix-max 128
 	$(BIN)/cartridges train --preset demo $(DTYPE_ARG) $(addprefix --corpus ,$(DEMO_CORPUS)) --save $(DEMO_CARTRIDGE)
 	$(BIN)/cartridges eval --qa docs/eval/builtin.jsonl --cartridge $(DEMO_CARTRIDGE) \
-		$(addprefix --corpus ,$(DEMO_CORPUS)) --no-peers --skip full_kv icl_window rag rag_dense --max-new 24
+		$(addprefix --corpus ,$(DEMO_CORPUS)) --no-peers --skip full_kv icl_window rag rag_dense --max-new 16
 	$(BIN)/cartridges ask --cartridge $(DEMO_CARTRIDGE) $(addprefix --corpus ,$(DEMO_CORPUS)) \
 		--question "What does the teacher stage keep for each answer token?" --max-new 48
 

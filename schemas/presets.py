@@ -8,7 +8,7 @@ PRESETS: dict[str, dict] = {
     "default": {},
     # Fits `make demo` in ten minutes on a 2-core CPU without native bfloat16 (float32).
     "demo": {
-        "chunks": {"conversations": 48, "heldout": 8, "chunk_min": 256, "chunk_max": 384},
+        "chunks": {"conversations": 40, "heldout": 8, "chunk_min": 256, "chunk_max": 384},
         "synth": {"max_q": 48, "max_a": 128},
         # At 128 rows SnapKV's untrained rows answered the demo set worse than the first rows
         # (16.7% against 25.0%, docs/QUALITY.md), so the demo keeps the corpus init.
