@@ -115,7 +115,8 @@ class Inputs:
     def rag_context(self, kind: str, q: Question, rows: int | None = None) -> list[int]:
         """The corpus chunks `kind` ranks best for the question, filling `rows` (the budget)."""
         retriever = self.retriever(kind)
-        return fill(self.lm.tokenizer, retriever.chunks, retriever.rank(q.question), rows or self.budget)[1]
+        budget = self.budget if rows is None else rows
+        return fill(self.lm.tokenizer, retriever.chunks, retriever.rank(q.question), budget)[1]
 
     def rag_beside(self, name: str, rows_of: Callable[[Question], Rows], kind: str = "bm25") -> Arm:
         """`rows_of`'s prefix rows, then the chunks `kind` ranks best in what they leave of the budget."""

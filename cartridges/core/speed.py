@@ -155,8 +155,8 @@ def idle_cores(cpus: list[int], window: float = IDLE_SAMPLE_S, stat: Path = Path
         return None
     idle = 0.0
     for cpu, (total, free) in after.items():
-        spent = total - before.get(cpu, (total, free))[0]
-        idle += (free - before[cpu][1]) / spent if spent > 0 and cpu in before else 1.0
+        total0, free0 = before.get(cpu, (total, free))
+        idle += (free - free0) / (total - total0) if total > total0 else 1.0  # no ticks counted: idle
     return idle if after else None
 
 
