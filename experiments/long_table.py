@@ -102,7 +102,6 @@ class Corpus:
         self.questions = [q for q in questions if q.multiple_choice]
         self.store = store / name.replace(":", "-")
         self.inputs: dict[tuple, object] = {}  # by (budget, retrieval chunk)
-        self.trained: dict[tuple, dict] = {}  # what a training call reported, by (kind, budget, seed)
 
     def at(self, budget: int, chunk: int | None = None):
         from stages.evaluate import RAG_CHUNK, Inputs
@@ -116,12 +115,11 @@ class Corpus:
         """The monolithic cartridge (one store per seed: budgets share its synthesis)."""
         from jobs.pipeline import run_pipeline
         from schemas.presets import preset
+        from storage import Store
 
         target = self.store / f"cartridge-s{seed}-n{self.conversations}-p{budget}.safetensors"
         config = preset("default", {"chunks": {"conversations": self.conversations},
                                     "train": {"p": budget, "seed": seed}})
-        from storage import Store
-
         start = time.perf_counter()
         summary = run_pipeline(Store(self.store / f"mono-s{seed}"), self.train_lm, list(self.files), config,
                                save=target)
@@ -154,13 +152,12 @@ class Corpus:
         from cartridges.fleet import Fleet
 
         inputs = self.at(budget)
-        if name in CHUNKS:
-            chunked = self.at(budget, int(name.removeprefix("rag_c")))
-            return Arm(name, key=lambda q: q.question, context=lambda q: chunked.rag_context("bm25", q)), None, None
-        if name in REFERENCES or name in PEERS:
+        if name in REFERENCES or name in PEERS or name in CHUNKS:  # the eval's own arms, renamed
             if name == "icl_window" and len(self.docs) < 2:
                 return None, None, "one-document corpus: icl_window is icl_oracle"
             wanted = PRODUCT_NAME.get(name, name)
+            if name in CHUNKS:
+                inputs, wanted = self.at(budget, int(name.removeprefix("rag_c"))), "rag"
             for arm in inputs.arms(peers=True, questions=self.questions):
                 if arm.name == wanted:
                     arm.name = name
