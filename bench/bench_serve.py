@@ -56,12 +56,12 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
-def icl_ids(lm, doc_ids: list[int], question: str, budget: int) -> list[int]:
-    """Tokenize the document + question, cutting the document to fit the context with the answer budget."""
+def icl_ids(lm, doc_ids: list[int], question: str, budget: int, window: int) -> list[int]:
+    """Tokenize the document + question, cutting the document to fit `window` tokens with the answer budget."""
     tok = lm.tokenizer
     overhead = len(chat_ids(tok, [{"role": "system", "content": ""}, {"role": "user", "content": question}],
                             add_generation_prompt=True))
-    keep = min(len(doc_ids), lm.context_length - overhead - budget)
+    keep = min(len(doc_ids), window - overhead - budget)
     text = tok.decode(doc_ids[:keep])
     return chat_ids(tok, [{"role": "system", "content": text}, {"role": "user", "content": question}],
                     add_generation_prompt=True)
@@ -93,6 +93,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--p", type=int, default=256)
     ap.add_argument("--questions", type=int, default=5, help="questions timed per TTFT arm (>= 5)")
     ap.add_argument("--max-new", type=int, default=64, help="answer budget (ICL truncation and decode arms)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="ICL prompt limit in tokens (default: the model's context window)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--sequential", type=int, default=4, help="requests sent one at a time for the 1-request arm")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process may use)")
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
         (rows, p), seconds = timed(load_file)
         load_times.append(seconds)
 
+    window = min(args.window or lm.context_length, lm.context_length)
     questions = (QUESTIONS * (args.questions // len(QUESTIONS) + 1))[: max(args.questions, 5)]
     generate(lm.model, [Stream(render_prompt(tok, [{"role": "user", "content": "warm up"}]), 2)], prefix_rows=rows)
 
@@ -133,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     icl_lengths, cart_lengths = [], []
 
     def icl_first(q: str):
-        ids = icl_ids(lm, doc_ids, q, args.max_new)
+        ids = icl_ids(lm, doc_ids, q, args.max_new, window)
         icl_lengths.append(len(ids))
         return generate(lm.model, [Stream(ids, 1)], batch_size=1)
 
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "model": lm.name, "threads": torch.get_num_threads(), "docs": [str(d) for d in docs],
         "doc_tokens": len(doc_ids), "p": p, "cartridge": str(args.cartridge or "corpus-init"),
-        "questions": len(questions), "max_new": args.max_new,
+        "questions": len(questions), "max_new": args.max_new, "window": window,
         "icl_prompt_tokens": statistics.median(icl_lengths), "question_tokens": statistics.median(cart_lengths),
         "ttft_icl_ms": round(ttft_icl * 1000, 1), "ttft_cartridge_ms": round(ttft_cart * 1000, 1),
         "ttft_ratio": round(ttft_icl / ttft_cart, 2),

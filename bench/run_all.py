@@ -58,7 +58,7 @@ BENCHES = (
            ("serving_spec_over_plain", "one request at a time: drafting 3 tokens per step vs plain", "> 1x to be on by default")),
           ()),
     Bench("serving", "bench.bench_serve", (),
-          ("--max-new", "4", "--concurrency", "2", "--sequential", "1", "--p", "16"),
+          ("--max-new", "4", "--concurrency", "2", "--sequential", "1", "--p", "16", "--window", "1024"),
           (("ttft_ratio", "time to first token: document in the prompt vs behind the cartridge", ">= 20x"),
            ("kv_bytes_ratio", "KV bytes per request: document in the prompt vs cartridge", ""),
            ("concurrency_throughput_ratio", "decode tokens/s: 16 concurrent requests vs 1", ">= 4x")),

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from cartridges.core.chat import end_of_turn_ids
+from cartridges.core.models import LoadedModel
 from tests.serving import write_cartridge
 from tests.tiny import tiny_llama
 
@@ -23,11 +26,22 @@ REPO = Path(__file__).resolve().parents[1]
 GRACE_S = 5.0
 
 
-def test_sigterm_stops_accepting_ends_streams_within_the_grace_period_and_exits_0(tmp_path, tiny_model_dir):
+def endless_model_dir(path: Path) -> tuple[LoadedModel, Path]:
+    """A tiny model whose greedy answers never end: the end-of-turn rows of its output layer
+    are zero, so their logit (0) is below the largest of the random others."""
     lm = tiny_llama()
+    with torch.no_grad():
+        lm.model.get_output_embeddings().weight[end_of_turn_ids(lm.tokenizer)] = 0.0
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return lm, path
+
+
+def test_sigterm_stops_accepting_ends_streams_within_the_grace_period_and_exits_0(tmp_path):
+    lm, model_dir = endless_model_dir(tmp_path / "model")
     cart = write_cartridge(lm, tmp_path / "c.safetensors")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(tiny_model_dir), "--cartridge",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--model", str(model_dir), "--cartridge",
                              str(cart), "--port", "0", "--threads", "1", "--max-tokens-cap", "100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
     try:
@@ -43,7 +57,7 @@ def test_sigterm_stops_accepting_ends_streams_within_the_grace_period_and_exits_
 
         def stream() -> None:
             body = {"model": "x", "messages": [{"role": "user", "content": "go"}], "stream": True,
-                    "max_tokens": 50000}
+                    "max_tokens": 50000, "temperature": 0.0}
             try:
                 with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
                     for i, chunk in enumerate(r.iter_lines()):
