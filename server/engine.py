@@ -77,6 +77,7 @@ class Engine:
         self.peak_active = 0
         self.failures = 0
         self._stop = threading.Event()
+        self._ending: ApiError | None = None
         self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
 
     # --- called from request handlers -------------------------------------------------
@@ -103,6 +104,12 @@ class Engine:
             job.cancelled.set()
             self.inbox.put(None)  # wake the loop if it sleeps
 
+    def end_all(self, error: ApiError) -> None:
+        """Shutting down: every running and waiting request ends now with `error` (in its stream, for
+        a streamed one), and so does any that still arrives."""
+        self._ending = error
+        self.inbox.put(None)
+
     def stats(self) -> dict:
         return {"active": len(self.batch), "waiting": len(self.waiting) + self.inbox.qsize(),
                 "max_batch": self.config.max_batch, "max_queue": self.config.max_queue,
@@ -115,6 +122,8 @@ class Engine:
         while not self._stop.is_set():
             try:
                 self._take(block=not len(self.batch) and not self.waiting)
+                if self._ending is not None:
+                    self._end_everything(self._ending)
                 self._drop_cancelled()
                 self._admit()
                 if len(self.batch):
@@ -125,6 +134,12 @@ class Engine:
                 for st in self.batch.states:
                     st.tag.post("error", internal(str(exc)))
                 self.batch = Batch(self.lm.model)
+
+    def _end_everything(self, error: ApiError) -> None:
+        for job in [*self.waiting, *(st.tag for st in self.batch.states)]:
+            job.post("error", error)
+        self.waiting.clear()
+        self.batch = Batch(self.lm.model)
 
     def _take(self, block: bool) -> None:
         try:

@@ -41,3 +41,8 @@ def overloaded(waiting: int) -> ApiError:
 
 def internal(message: str) -> ApiError:
     return ApiError(500, f"internal error: {message}", "server_error", None, "internal_error")
+
+
+def shutting_down(grace_s: float) -> ApiError:
+    return ApiError(503, f"server shutting down: the answer was cut after the {grace_s:g} s grace period; "
+                    "retry on a running server", "server_error", None, "server_shutting_down")

@@ -21,8 +21,30 @@ from cartridges.core.errors import CartridgeError, CartridgeFileError, FleetErro
 from cartridges.core.models import LoadedModel, load_model
 from server.app import create_app
 from server.engine import Engine
+from server.errors import shutting_down
 from server.options import ServeConfig, serve_config
 from server.selector import CartridgeSelector, Selector
+
+GRACE_S = 5.0  # what running answers get on SIGTERM before they end with a 503 error in their stream
+BACKSTOP_S = 5.0  # then uvicorn cancels what is still open (it logs a traceback for each)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn whose shutdown ends the engine's running answers when the grace period is up, so that
+    their connections close cleanly before uvicorn's own cancellation."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = threading.Timer(GRACE_S, self.engine.end_all, args=(shutting_down(GRACE_S),))
+        timer.daemon = True
+        timer.start()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -48,7 +70,8 @@ class Server:
         self.app = create_app(lm, selector, self.engine, config)
         self.sock = bind(config.host, config.port)
         self.port = self.sock.getsockname()[1]
-        self.uvicorn = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=5))
+        self.uvicorn = _Uvicorn(uvicorn.Config(self.app, log_level="warning",
+                                               timeout_graceful_shutdown=GRACE_S + BACKSTOP_S), self.engine)
         self._thread: threading.Thread | None = None
 
     @property
@@ -57,9 +80,9 @@ class Server:
         return f"http://{host}:{self.port}"
 
     def run(self) -> None:
-        """Serve until interrupted (blocking). On SIGTERM uvicorn stops accepting connections, gives
-        running requests up to `timeout_graceful_shutdown` (5 s) and then cancels them; this returns
-        and the command exits 0."""
+        """Serve until interrupted (blocking). On SIGTERM uvicorn stops accepting connections, running
+        requests get `GRACE_S` to finish and then end with a 503 error (in the stream, if streamed);
+        this returns and the command exits 0."""
         self.engine.start()
         if threading.current_thread() is threading.main_thread():
             # uvicorn re-raises the signal it caught once it has shut down: let that SIGTERM pass
