@@ -136,13 +136,14 @@ class Corpus:
 
         directory = self.store / f"fleet-s{seed}-n{self.conversations}-p{budget // K}-iso{p_iso}"
         rounds = max(1, self.conversations // FLEET["accum"])
-        have = read_manifest(directory).rounds if (directory / "fleet.json").exists() else 0
+        started = (directory / "fleet.json").exists()  # a fleet prepared, perhaps with no round yet
+        have = read_manifest(directory).rounds if started else 0
         config = fleet_preset("default", {**FLEET, "p": budget // K, "p_iso": p_iso, "seed": seed,
                                           "rounds": max(0, rounds - have)})
         start = time.perf_counter()
         if have < rounds:
             run_fleet(Store(self.store / f"fleet-s{seed}"), self.train_lm, list(self.files), directory, config,
-                      resume=have > 0, log=log)
+                      resume=started, log=log)
         return directory, {"wall_s": time.perf_counter() - start, "rounds": rounds, "resumed_from": have}
 
     def arm(self, name: str, budget: int, seed: int):
