@@ -9,8 +9,9 @@ Two levels, because float sums differ in their last bits between CPU kernels:
 - `exact`: a sha256 per artifact over its catalog identity and every file (Parquet rows in
   canonical JSON, other files as bytes); compared when the machine matches the recording's.
 - `loose`: per Parquet column, the sha256 of non-float values and the sum and sum of squares
-  of float ones; per safetensors tensor, its shape and the same sums. Compared everywhere,
-  floats to a relative 1e-4.
+  of float ones; per safetensors tensor, NumPy array and faiss index, its shape and the same
+  sums; JSON without the digests of float bytes (checksums, index sha256s). Compared
+  everywhere, floats to a relative 1e-4.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -41,8 +43,13 @@ FLEET_DOCS = {
     "apples.md": "Apples grow on trees in orchards and ripen in the autumn sun. " * 6,
     "rockets.md": "Rockets burn fuel to climb out of the atmosphere into orbit. " * 6,
 }
-# Digests of a safetensors file's float bytes, held in its metadata: loose compares the floats instead.
+# Digests of float bytes (a safetensors file's metadata; the fleet manifest's own checksum and its
+# index files' sha256): loose compares the floats themselves instead.
 CHECKSUMS = ("checksum", "header_checksum")
+
+
+def _checksum(key: str) -> bool:
+    return key in CHECKSUMS or key.endswith("_sha256")
 # Wall-clock fields and paths that name the temporary directory.
 VOLATILE = {"seconds", "started_at", "finished_at", "created_at", "run_id", "elapsed_s", "wall_s",
             "updated_at", "written_at", "path", "store",
@@ -98,12 +105,17 @@ def _volatile(key: str) -> bool:
     return key in VOLATILE or key.endswith("seconds") or key.endswith("_s")
 
 
-def _strip(obj: Any) -> Any:
+def _drop(obj: Any, unwanted) -> Any:
+    """`obj` without the dict keys that `unwanted` names, at any depth."""
     if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if not _volatile(k)}
+        return {k: _drop(v, unwanted) for k, v in obj.items() if not unwanted(k)}
     if isinstance(obj, list):
-        return [_strip(v) for v in obj]
+        return [_drop(v, unwanted) for v in obj]
     return obj
+
+
+def _strip(obj: Any) -> Any:
+    return _drop(obj, _volatile)
 
 
 def _file_digest(path: Path) -> tuple[str, Any]:
@@ -126,11 +138,23 @@ def _file_digest(path: Path) -> tuple[str, Any]:
                                                                                 .numpy().tobytes()).hexdigest()]
                              for k, v in sorted(tensors.items())]])
         loose = {k: [list(v.shape), _sums(v.double().flatten().tolist())] for k, v in sorted(tensors.items())}
-        return exact, [loose, ("exact", _sha({k: v for k, v in meta.items() if k not in CHECKSUMS}))]
+        return exact, [loose, ("exact", _sha({k: v for k, v in meta.items() if not _checksum(k)}))]
     if path.suffix == ".json":
         data = _strip(json.loads(path.read_text()))
         floats: list[float] = []
-        return _sha(data), [("exact", _sha(_floats_out(data, floats))), ("float", _sums(floats))]
+        return _sha(data), [("exact", _sha(_floats_out(_drop(data, _checksum), floats))), ("float", _sums(floats))]
+    if path.suffix == ".npy":
+        array = np.load(path, allow_pickle=False)
+        return hashlib.sha256(path.read_bytes()).hexdigest(), \
+            [("exact", _sha([str(array.dtype), list(array.shape)])), ("float", _sums(array.ravel().tolist()))]
+    if path.suffix == ".faiss":
+        import faiss
+
+        index = faiss.read_index(str(path))
+        vectors = index.reconstruct_n(0, index.ntotal)
+        data = path.read_bytes()
+        return hashlib.sha256(data).hexdigest(), \
+            [("exact", _sha([type(index).__name__, index.d, index.ntotal])), ("float", _sums(vectors.ravel().tolist()))]
     data = path.read_bytes()
     return hashlib.sha256(data).hexdigest(), ("exact", hashlib.sha256(data).hexdigest())
 
