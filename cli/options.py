@@ -82,13 +82,22 @@ def _options(config: type, path: tuple[str, ...],
 
 
 def _kind(config: type, name: str, hint: Any) -> type:
-    """int, float, str or bool; `X | None` is X (None being the field's own default)."""
+    """int, float, str, bool, or tuple (of str, given comma-separated); `X | None` is X (None
+    being the field's own default)."""
     if isinstance(hint, types.UnionType):
         kinds = [a for a in typing.get_args(hint) if a is not type(None)]
         hint = kinds[0] if len(kinds) == 1 else hint
+    if hint == tuple[str, ...]:
+        return tuple
     if hint not in (int, float, str, bool):
-        raise TypeError(f"{config.__name__}.{name}: a command-line option must be int, float, str or bool")
+        raise TypeError(f"{config.__name__}.{name}: a command-line option must be int, float, str, bool or "
+                        "tuple[str, ...]")
     return hint
+
+
+def _words(text: str) -> tuple[str, ...]:
+    """A comma-separated flag value as its items (`a,b` or `a, b`)."""
+    return tuple(w.strip() for w in text.split(",") if w.strip())
 
 
 def add_options(parser: argparse.ArgumentParser, config: type, top: str = "") -> None:
@@ -99,11 +108,12 @@ def add_options(parser: argparse.ArgumentParser, config: type, top: str = "") ->
         if title not in groups:
             groups[title] = parser.add_argument_group(f"{title} options") if title else parser
         extra: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if flag.kind is bool else {
-            "type": flag.kind, "choices": flag.choices, "metavar": None if flag.choices else _METAVARS[flag.kind]}
+            "type": _words if flag.kind is tuple else flag.kind, "choices": flag.choices,
+            "metavar": None if flag.choices else _METAVARS[flag.kind]}
         groups[title].add_argument(flag.name, dest=flag.dest, default=None, help=_help(flag), **extra)
 
 
-_METAVARS = {int: "N", float: "X", str: "TEXT"}
+_METAVARS = {int: "N", float: "X", str: "TEXT", tuple: "A,B"}
 
 
 def _help(flag: Flag) -> str:
@@ -112,7 +122,8 @@ def _help(flag: Flag) -> str:
     text = flag.help.replace("%", "%%")
     if flag.default is None:  # the help says what the field's own default means
         return text
-    shown = ("on" if flag.default else "off") if flag.kind is bool else flag.default
+    shown = (("on" if flag.default else "off") if flag.kind is bool else
+             ",".join(flag.default) if flag.kind is tuple else flag.default)
     return f"{text} (default: {shown})"
 
 

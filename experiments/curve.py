@@ -234,9 +234,10 @@ def plan(docs: Iterable[str], seeds: Iterable[int], conversations: Iterable[int]
 def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence[int], dtype: str, out: Path,
               store: Path, extra: Sequence[str] = (), eval_dtype: str = "float32", qa: Path = EVAL_DIR / "questions.jsonl",
               peers: bool = False, extra_eval: Sequence[str] = (), runner: Runner = run_command,
-              reuse_default: bool = False) -> dict:
+              reuse_default: bool = False, reuse_of: Sequence[str] = ()) -> dict:
     """Run every point not yet in `out`; returns what ran, what was skipped and what failed.
-    `reuse_default`: a point with extra train arguments starts from the default point's store."""
+    `reuse_default`: a point with extra train arguments starts from the store of the point whose
+    train arguments are `reuse_of` (the default point's when empty)."""
     done = {point_key(r) for r in read_records(out)}
     ran, skipped, failed = [], [], []
     points = plan(docs, seeds, conversations)
@@ -249,8 +250,8 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             skipped.append(label)
             continue
         directory = point_dir(store, name, seed, n, dtype, extra)
-        default = point_dir(store, name, seed, n, dtype, ())
-        if reuse_default and extra and seed_from_default(directory, default):
+        default = point_dir(store, name, seed, n, dtype, reuse_of)
+        if reuse_default and list(extra) != list(reuse_of) and seed_from_default(directory, default):
             log(f"curve: {label}: store copied from {default}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
         start = time.perf_counter()
@@ -699,6 +700,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse-default-store", action="store_true",
                    help="start each point with extra train args from a copy of the default point's store "
                         "(its synthesis and teacher are reused where the arguments leave them unchanged)")
+    p.add_argument("--reuse-store-of", metavar="ARGS",
+                   help="like --reuse-default-store, from the point whose extra train args are ARGS "
+                        "(a lever against a non-default base, such as \"--p 256\")")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="the curve as a PNG, a Markdown table and a log-linear fit")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to look in")
@@ -760,7 +764,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_curve(args.docs, args.seeds, args.conversations, args.dtype, Path(args.out).resolve(),
                             Path(args.store).resolve(), shlex.split(args.extra_train_args), args.eval_dtype,
                             Path(args.qa).resolve(), args.peers, shlex.split(args.extra_eval_args),
-                            reuse_default=args.reuse_default_store)
+                            reuse_default=args.reuse_default_store or args.reuse_store_of is not None,
+                            reuse_of=shlex.split(args.reuse_store_of or ""))
         log(f"curve: {len(summary['ran'])} ran, {len(summary['skipped'])} skipped, {len(summary['failed'])} failed "
             f"of {summary['points']} points; results in {summary['out']}")
         if args.json:

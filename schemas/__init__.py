@@ -1,8 +1,10 @@
 """Arrow schemas of the artifact tables and the typed stage configs."""
 
 from schemas.configs import (
+    FACT_SEED_TYPES,
     HELDOUT_REGIONS,
     INITS,
+    KNOWN_SEED_TYPES,
     LR_SCHEDULES,
     SEED_TYPES,
     TEACHER_CONTEXTS,
@@ -49,6 +51,8 @@ __all__ = [
     "RUNS",
     "SCHEMA_VERSION_KEY",
     "SENTENCES",
+    "FACT_SEED_TYPES",
+    "KNOWN_SEED_TYPES",
     "SEED_TYPES",
     "SPLITS",
     "TABLES",

@@ -11,9 +11,13 @@ import math
 import typing
 from typing import Any, ClassVar, Self
 
+# The paper's diverse seed forms: the default set.
 SEED_TYPES: tuple[str, ...] = (
     "structuring", "summarization", "question", "use_case", "creative", "mechanism", "verbatim",
 )
+# Seeds that each ask for one specific detail of the chunk (docs/QUALITY.md, 10x levers).
+FACT_SEED_TYPES: tuple[str, ...] = ("fact_number", "fact_name", "fact_condition", "fact_cause", "fact_contrast")
+KNOWN_SEED_TYPES: tuple[str, ...] = SEED_TYPES + FACT_SEED_TYPES
 INITS: tuple[str, ...] = ("auto", "corpus", "snapkv", "random")
 HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
@@ -177,7 +181,8 @@ class ChunkConfig(_Config):
     chunk_min: int = option(256, "shortest chunk, in tokens")
     chunk_max: int = option(512, "longest chunk, in tokens")
     seed: int = option(7, "seed of the chunk plan")
-    seed_types: tuple[str, ...] = SEED_TYPES
+    seed_types: tuple[str, ...] = option(SEED_TYPES, "bot A's seed prompts, comma-separated, drawn in turn for "
+                                         f"each chunk's conversations; known: {', '.join(KNOWN_SEED_TYPES)}")
     per_chunk: int = option(7, "conversations per chunk, each with its own seed type; they share one prefill")
     # "sample": held-out spans drawn anywhere, no text withheld from training; "tail": a reserved
     # tail of each document is held out (a diagnostic of transfer to unseen text)
@@ -202,9 +207,9 @@ class ChunkConfig(_Config):
             raise _bad(self, "seed", "must be >= 0")
         if not self.seed_types:
             raise _bad(self, "seed_types", "must not be empty")
-        unknown = [s for s in self.seed_types if s not in SEED_TYPES]
+        unknown = [s for s in self.seed_types if s not in KNOWN_SEED_TYPES]
         if unknown:
-            raise _bad(self, "seed_types", f"unknown {unknown}; choose from {list(SEED_TYPES)}")
+            raise _bad(self, "seed_types", f"unknown {unknown}; choose from {list(KNOWN_SEED_TYPES)}")
         if len(set(self.seed_types)) != len(self.seed_types):
             raise _bad(self, "seed_types", "contains duplicates")
 

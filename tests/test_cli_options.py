@@ -22,6 +22,7 @@ PIPELINE_FLAGS: list[tuple[list[str], dict]] = [
     (["--chunk-min", "40"], {"chunks": {"chunk_min": 40}}),
     (["--chunk-max", "80"], {"chunks": {"chunk_max": 80}}),
     (["--per-chunk", "2"], {"chunks": {"per_chunk": 2}}),
+    (["--seed-types", "question, fact_number"], {"chunks": {"seed_types": ("question", "fact_number")}}),
     (["--heldout-region", "tail"], {"chunks": {"heldout_region": "tail"}}),
     (["--max-q", "10"], {"synth": {"max_q": 10}}),
     (["--max-a", "20"], {"synth": {"max_a": 20}}),
@@ -111,7 +112,8 @@ def test_every_option_field_is_a_flag_with_its_default_and_help(command, config)
             continue
         assert f.metadata["help"] in help_text, flag
         if f.default is not None:
-            shown = ("on" if f.default else "off") if isinstance(f.default, bool) else str(f.default)
+            shown = (("on" if f.default else "off") if isinstance(f.default, bool) else
+                     ",".join(f.default) if isinstance(f.default, tuple) else str(f.default))
             assert help_text.endswith(f"(default: {shown})"), (flag, help_text)
 
 

@@ -13,7 +13,7 @@ from cartridges.selfstudy.seeds import (
     score_message,
     seed,
 )
-from schemas import SEED_TYPES
+from schemas import FACT_SEED_TYPES, KNOWN_SEED_TYPES, SEED_TYPES
 from tests.tiny import tiny_tokenizer
 
 CHUNK = "Deflate uses a sliding window of 32768 bytes and Huffman codes for literals."
@@ -24,9 +24,9 @@ def tok():
     return tiny_tokenizer()
 
 
-def test_all_seven_types_present_and_well_formed():
-    assert tuple(SEEDS) == SEED_TYPES
-    assert len(SEEDS) == 7
+def test_all_types_present_and_well_formed():
+    assert tuple(SEEDS) == KNOWN_SEED_TYPES == SEED_TYPES + FACT_SEED_TYPES
+    assert len(SEED_TYPES) == 7 and len(FACT_SEED_TYPES) == 5
     for name, s in SEEDS.items():
         assert isinstance(s, Seed) and s.type == name
         assert 3 <= len(s.instruction.split()) <= 30
@@ -36,6 +36,9 @@ def test_all_seven_types_present_and_well_formed():
     assert "why or how" in SEEDS["mechanism"].instruction
     assert "exact" in SEEDS["verbatim"].instruction
     assert all(s.stop_at_question for s in SEEDS.values())
+    for name, words in (("fact_number", "number"), ("fact_name", "name"), ("fact_condition", "condition"),
+                        ("fact_cause", "why"), ("fact_contrast", "comparing")):
+        assert words in SEEDS[name].instruction
 
 
 def test_unknown_seed_type_names_the_choices():
@@ -43,7 +46,7 @@ def test_unknown_seed_type_names_the_choices():
         seed("poem")
 
 
-@pytest.mark.parametrize("seed_type", SEED_TYPES)
+@pytest.mark.parametrize("seed_type", KNOWN_SEED_TYPES)
 def test_bot_a_prompt_inlines_chunk_once_and_opens_the_turn(tok, seed_type):
     ids = bot_a_prompt(tok, CHUNK, seed_type)
     s = SEEDS[seed_type]

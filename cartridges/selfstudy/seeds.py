@@ -15,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from cartridges.core.chat import chat_ids
-from schemas.configs import SEED_TYPES
+from schemas.configs import KNOWN_SEED_TYPES
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,22 @@ SEEDS: dict[str, Seed] = {
              "Question:", True),
         Seed("verbatim", "Write one question asking for the exact wording or an exact number given in this text.",
              "Question:", True),
+        # The fact seeds (not in the default set): each asks for one kind of specific detail, so
+        # the conversations rehearse the details a reader is asked about rather than summaries.
+        Seed("fact_number", "Write one question whose answer is a specific number, date or amount given in this "
+             "text.", "Question:", True),
+        Seed("fact_name", "Write one question whose answer is a name or a term given in this text.",
+             "Question:", True),
+        Seed("fact_condition", "Write one question asking under what condition, or in which case, something "
+             "described in this text happens.", "Question:", True),
+        Seed("fact_cause", "Write one question asking why something specific in this text happens.",
+             "Question:", True),
+        Seed("fact_contrast", "Write one question comparing two specific things named in this text.",
+             "Question:", True),
     )
 }
-if tuple(SEEDS) != SEED_TYPES:
-    raise RuntimeError(f"seed types {tuple(SEEDS)} do not match the configs' {SEED_TYPES}")
+if tuple(SEEDS) != KNOWN_SEED_TYPES:
+    raise RuntimeError(f"seed types {tuple(SEEDS)} do not match the configs' {KNOWN_SEED_TYPES}")
 
 _LABELS = sorted({s.assistant_prefix for s in SEEDS.values()}, key=len, reverse=True)
 _LABEL_RE = re.compile(
