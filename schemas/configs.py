@@ -18,7 +18,7 @@ SEED_TYPES: tuple[str, ...] = (
 # Seeds that each ask for one specific detail of the chunk (docs/QUALITY.md, 10x levers).
 FACT_SEED_TYPES: tuple[str, ...] = ("fact_number", "fact_name", "fact_condition", "fact_cause", "fact_contrast")
 KNOWN_SEED_TYPES: tuple[str, ...] = SEED_TYPES + FACT_SEED_TYPES
-INITS: tuple[str, ...] = ("auto", "corpus", "snapkv", "random")
+INITS: tuple[str, ...] = ("auto", "corpus", "snapkv", "snapkv_questions", "random")
 HELDOUT_REGIONS: tuple[str, ...] = ("sample", "tail")
 LR_SCHEDULES: tuple[str, ...] = ("constant", "cosine")
 TEACHER_CONTEXTS: tuple[str, ...] = ("chunk", "document")
@@ -289,7 +289,8 @@ class TrainConfig(_Config):
     warmup: float = added(0.0, ablation=True, help="share of all steps spent ramping the learning rate up from 0")
     # cartridges.core.cartridge.resolve_init
     init: str = option("auto", "the rows' start: snapkv where the model allows it, else corpus (auto); the "
-                       "corpus's first p tokens (corpus); rows SnapKV picks over the corpus (snapkv); random",
+                       "corpus's first p tokens (corpus); rows SnapKV picks over the corpus, observed from its "
+                       "tail (snapkv) or from self-study's questions (snapkv_questions); random",
                        choices=INITS)
     pack: bool = option(True, "train a group's conversations in one packed forward/backward")
     checkpoint: bool = option(False, "recompute activations in the backward (less memory, more time)")

@@ -62,6 +62,17 @@ def schedule(examples: list[Example], config: TrainConfig) -> list[list[Example]
     return groups
 
 
+WINDOW_QUESTIONS = 64  # init snapkv_questions: questions in its observation window
+
+
+def window_questions(examples: list[Example], count: int = WINDOW_QUESTIONS) -> list[list[int]]:
+    """The student's prompt (question and the answer's header) of `count` conversations spread
+    evenly over the training set, in conversation order so that reruns match."""
+    ordered = sorted(examples, key=lambda ex: ex.conv_id)
+    step = max(1, len(ordered) // count)
+    return [ex.ids[: ex.positions[0]] for ex in ordered[::step][:count]]
+
+
 def corpus_of(docs: list[dict]) -> str:
     multi = len(docs) > 1
     return "\n".join(document_text(d["name"], d["text"], multi) for d in docs)
@@ -84,7 +95,7 @@ def train_cartridge(
         load_optimizer(ctx_dir / state["optimizer"], opt)
         log, start, before = state["log"], state["step"], state["heldout_before"]
     else:
-        cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed)
+        cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, window_questions(train))
         opt = make_optimizer(cart, config.lr)
         log, start, before = [], 0, mean_loss(lm.model, [cart], heldout)
     for step in range(start, len(groups)):

@@ -14,6 +14,7 @@ from cartridges.core.compress import (
     reposition,
     rotary_of,
     snapkv_keep,
+    snapkv_questions_keep,
 )
 from cartridges.core.errors import CorpusError
 from cartridges.core.prefix import capture_rows
@@ -183,3 +184,55 @@ def test_a_run_that_names_no_frozen_rows_holds_half_of_p_under_snapkv_and_one_si
     lm = tiny_llama(dtype=torch.float64)
     assert init_cartridge(lm, text, "corpus", 24).frozen == 1
     assert init_cartridge(lm, text, "random", 24).frozen == 1
+
+
+def test_snapkv_with_questions_keeps_what_the_questions_after_the_document_attend_to_most():
+    # Reference: each question prefilled right after the document in one plain forward (no cache),
+    # the library's own attention weights of the question's rows over the document, pooled by hand.
+    lm = tiny_llama(dtype=torch.float64)
+    ids = torch.randint(0, 250, (50,))
+    questions = [torch.randint(0, 250, (n,)) for n in (3, 7, 5)]
+    kv_heads, budget, first = 2, 12, 2
+    rows = capture_rows(lm.model, ids)
+    keep = snapkv_questions_keep(lm.model, rows, budget, questions, kernel=1, first=first)
+    assert lm.model.config._attn_implementation != "eager"  # restored
+    lm.model.set_attn_implementation("eager")
+    per_question = [lm.model(torch.cat([ids, q]).view(1, -1), output_attentions=True).attentions
+                    for q in questions]
+    lm.model.set_attn_implementation("sdpa")
+    for layer in range(len(keep)):
+        score = sum(att[layer][0, :, 50:, :50].mean(dim=1) for att in per_question)
+        score = score.view(kv_heads, 2, -1).mean(dim=1)
+        score[:, :first] = float("inf")
+        for h in range(kv_heads):
+            assert keep[layer][h].tolist() == sorted(score[h].topk(budget).indices.tolist())
+    plain = snapkv_keep(lm.model, ids, kv_heads, budget, window=4, kernel=1, first=first)
+    assert any(not torch.equal(a, b) for a, b in zip(keep, plain, strict=True))  # the window matters
+    with pytest.raises(ValueError, match="at least one question"):
+        snapkv_questions_keep(lm.model, rows, budget, [])
+
+
+def test_snapkv_questions_init_holds_the_opening_and_the_rows_the_questions_choose():
+    # References: the corpus init (a real prefill of the opening), the full prefill's rows at the
+    # positions snapkv_questions_keep chooses, and the tail-window snapkv init it must differ from.
+    lm = tiny_llama(dtype=torch.float64)
+    text = "Cartridges replace a long document in context. Self-study asks about every fact. " * 3
+    p, frozen = 48, 8
+    questions = [lm.tokenizer("What replaces a long document?")["input_ids"],
+                 lm.tokenizer("Who asks about every fact?")["input_ids"]]
+    cart = init_cartridge(lm, text, "snapkv_questions", p, frozen, questions=questions)
+    assert cart.meta["init"] == "snapkv_questions" and cart.frozen == frozen
+    ids = torch.tensor(system_ids(lm.tokenizer, text))
+    full = capture_rows(lm.model, ids)
+    keep = snapkv_questions_keep(lm.model, full, p, [torch.tensor(q) for q in questions], first=frozen)
+    corpus, tail = init_from_corpus(lm, text, p), init_from_snapkv(lm, text, p, frozen)
+    for (k, v), (k0, v0), (_, fv), (_, _tv), idx in zip(cart.rows(), corpus.rows(), full, tail.rows(), keep,
+                                                       strict=True):
+        torch.testing.assert_close(k[:, :frozen], k0[:, :frozen].to(k.dtype))
+        torch.testing.assert_close(v[:, :frozen], v0[:, :frozen].to(v.dtype))
+        torch.testing.assert_close(v, fv.gather(1, idx[..., None].expand(-1, -1, fv.shape[-1])).to(v.dtype))
+        assert idx.max() >= p
+    assert any(not torch.allclose(v, tv) for (_, v), (_, tv) in zip(cart.rows(), tail.rows(), strict=True))
+    assert init_cartridge(lm, text, "snapkv_questions", p, questions=questions).frozen == p // 2
+    with pytest.raises(ValueError, match="needs self-study questions"):
+        init_cartridge(lm, text, "snapkv_questions", p)

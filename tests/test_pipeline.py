@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from cartridges.core.chat import end_of_turn_ids
 from jobs.pipeline import run_pipeline
@@ -263,3 +264,18 @@ def test_teacher_reads_bot_bs_kept_targets_and_draft_ref_embeds_the_corpus(tmp_p
     cart = load_cartridge(summary["cartridge"])
     expected = lm.tokenizer(CORPUS, add_special_tokens=False)["input_ids"]
     assert cart.meta["draft_reference"].tolist() == expected
+
+
+def test_snapkv_questions_init_observes_the_runs_own_questions(tmp_path, corpus):
+    # Reference: the same run with SnapKV observing the corpus's tail instead; only the init differs.
+    from cartridges.core.files import load_cartridge
+
+    lm = tiny_llama()
+    runs = {init: run_pipeline(Store(tmp_path / init), lm, [corpus], smoke(init=init, p=48),
+                               save=tmp_path / f"{init}.safetensors")
+            for init in ("snapkv", "snapkv_questions")}
+    assert runs["snapkv_questions"]["init"] == "snapkv_questions"
+    carts = {init: load_cartridge(tmp_path / f"{init}.safetensors") for init in runs}
+    assert carts["snapkv_questions"].frozen == carts["snapkv"].frozen == 24
+    assert any(not torch.allclose(a[1], b[1]) for a, b in
+               zip(carts["snapkv_questions"].rows(), carts["snapkv"].rows(), strict=True))

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from cartridges.core.chat import system_ids
-from cartridges.core.compress import rotary_of, snapkv_rows
+from cartridges.core.compress import keep_rows, rotary_of, snapkv_questions_keep, snapkv_rows
 from cartridges.core.errors import CorpusError, GeometryError, ModelError
 from cartridges.core.models import LoadedModel
 from cartridges.core.prefix import capture_rows
@@ -150,20 +150,29 @@ def init_from_corpus(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Car
     return Cartridge.from_rows(_float32(capture_rows(lm.model, ids)), frozen, {"init": "corpus"})
 
 
-def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1) -> Cartridge:
+def init_from_snapkv(lm: LoadedModel, text: str, p: int, frozen: int = 1,
+                     questions: Sequence[Sequence[int]] | None = None) -> Cartridge:
     """Rows drawn from the whole corpus: SnapKV's choice over its full KV, keys re-rotated to 0..p-1.
 
     The first-p init holds the opening of a document exactly and nothing of the rest; training
     then trades the one for the other. These rows start with some of every part instead. The
     `frozen` rows are the corpus's first tokens, exactly, whatever SnapKV scores them: with a
-    larger `frozen`, an opening training cannot erode and chosen rows from the rest."""
+    larger `frozen`, an opening training cannot erode and chosen rows from the rest. With
+    `questions` (token ids), those questions are SnapKV's observation window instead of the
+    corpus's own tail."""
     reason = snapkv_init_reason(lm)
     if reason:
         raise ModelError(f"{reason}; use init 'corpus'")
     corpus_prefix_ids(lm, text, p)  # the same length check as the corpus init
     ids = torch.tensor(system_ids(lm.tokenizer, text)[: lm.context_length], device=lm.device)
-    rows = snapkv_rows(lm.model, ids, capture_rows(lm.model, ids), p, rotary_of(lm.model), first=frozen)
-    return Cartridge.from_rows(_float32(rows), frozen, {"init": "snapkv"})
+    full = capture_rows(lm.model, ids)
+    if questions is None:
+        return Cartridge.from_rows(_float32(snapkv_rows(lm.model, ids, full, p, rotary_of(lm.model), first=frozen)),
+                                   frozen, {"init": "snapkv"})
+    window = [torch.tensor(list(q), device=lm.device) for q in questions]
+    keep = snapkv_questions_keep(lm.model, full, p, window, first=frozen)
+    return Cartridge.from_rows(_float32(keep_rows(full, keep, rotary_of(lm.model))), frozen,
+                               {"init": "snapkv_questions"})
 
 
 def snapkv_init_reason(lm: LoadedModel) -> str | None:
@@ -187,13 +196,14 @@ def default_frozen(init: str, p: int) -> int:
     opening exactly, beside SnapKV's rows from the rest (on six documents and seeds this
     closed as much of the gold-NLL gap as one sink row and answered 4 points more,
     docs/QUALITY.md). The corpus and random inits keep one sink row, as measured."""
-    return p // 2 if init == "snapkv" else 1
+    return p // 2 if init in ("snapkv", "snapkv_questions") else 1
 
 
 def init_cartridge(lm: LoadedModel, text: str, init: str, p: int, frozen: int | None = None,
-                   seed: int = 0) -> Cartridge:
+                   seed: int = 0, questions: Sequence[Sequence[int]] = ()) -> Cartridge:
     """The cartridge a run starts from; its `meta["init"]` names the init actually used and its
-    `frozen` the rows held constant (`default_frozen` when `frozen` is None)."""
+    `frozen` the rows held constant (`default_frozen` when `frozen` is None). `questions` (token
+    ids) are the observation window of init 'snapkv_questions'."""
     init = resolve_init(lm, init)
     if frozen is None:
         frozen = default_frozen(init, p)
@@ -201,9 +211,13 @@ def init_cartridge(lm: LoadedModel, text: str, init: str, p: int, frozen: int | 
         return init_from_corpus(lm, text, p, frozen)
     if init == "snapkv":
         return init_from_snapkv(lm, text, p, frozen)
+    if init == "snapkv_questions":
+        if not questions:
+            raise ValueError("init 'snapkv_questions' needs self-study questions; none were given")
+        return init_from_snapkv(lm, text, p, frozen, questions)
     if init == "random":
         return init_random(lm, text, p, frozen, seed)
-    raise ValueError(f"init {init!r}: unknown (auto, corpus, snapkv or random)")
+    raise ValueError(f"init {init!r}: unknown (auto, corpus, snapkv, snapkv_questions or random)")
 
 
 def init_random(lm: LoadedModel, text: str, p: int, frozen: int = 1, seed: int = 0) -> Cartridge:

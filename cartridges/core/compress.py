@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from cartridges.core.models import backbone
+from cartridges.core.prefix import forward_behind
 
 Rows = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -60,6 +61,46 @@ def knorm_keep(rows: Rows, budget: int) -> list[torch.Tensor]:
             for k, _ in rows]
 
 
+def _attention_to(model: torch.nn.Module, run, n: int, queries_from: int = 0) -> list[torch.Tensor]:
+    """Per layer, the summed attention [heads, n] that `run()`'s forward passes pay to positions
+    0..n-1, each pass's weights averaged over its query tokens from `queries_from` on (eager
+    attention is the only implementation that returns them)."""
+    layers = backbone(model).layers
+    sums: list[torch.Tensor | None] = [None] * len(layers)
+
+    def hook_for(i: int):
+        def hook(_module, _args, out) -> None:
+            w = out[1][0, :, queries_from:, :n].float().mean(dim=1)
+            sums[i] = w if sums[i] is None else sums[i] + w
+        return hook
+
+    previous = model.config._attn_implementation
+    handles = [layer.self_attn.register_forward_hook(hook_for(i)) for i, layer in enumerate(layers)]
+    try:
+        model.set_attn_implementation("eager")
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+        model.set_attn_implementation(previous)
+    return sums  # type: ignore[return-value]
+
+
+def _choose(scores: list[torch.Tensor], kv_heads: int, picks: int, kernel: int, first: int,
+            always: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per layer and KV head, the `picks` best-scored positions (scores averaged over the head's
+    query group, pooled over neighbours), the first `first` whatever their score, plus `always`."""
+    keep = []
+    for s in scores:
+        s = s.view(kv_heads, -1, s.shape[-1]).mean(dim=1)
+        s = F.avg_pool1d(s[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=False)[:, 0]
+        s[:, :first] = float("inf")
+        top = s.topk(picks, dim=-1).indices
+        keep.append((top if always is None else torch.cat([top, always], dim=-1)).sort(dim=-1).values)
+    return keep
+
+
 def snapkv_keep(model: torch.nn.Module, input_ids: torch.Tensor, kv_heads: int, budget: int,
                 window: int = 32, kernel: int = 5, first: int = 0) -> list[torch.Tensor]:
     """SnapKV's choice, question-agnostic: per layer and KV head, the last `window` positions
@@ -70,32 +111,32 @@ def snapkv_keep(model: torch.nn.Module, input_ids: torch.Tensor, kv_heads: int, 
     if n <= budget:
         return [torch.arange(n, device=input_ids.device).expand(kv_heads, -1)] * len(backbone(model).layers)
     window = min(window, budget - first)
-    scores: list[torch.Tensor] = []
 
-    def hook(_module, _args, out) -> None:
-        weights = out[1][0, :, n - window:, : n - window].float()  # [heads, window, earlier]
-        scores.append(weights.mean(dim=1))
+    def run() -> None:
+        model(input_ids=input_ids.view(1, -1), use_cache=False, logits_to_keep=1)
 
-    layers = backbone(model).layers
-    previous = model.config._attn_implementation
-    handles = [layer.self_attn.register_forward_hook(hook) for layer in layers]
-    try:
-        model.set_attn_implementation("eager")  # the only implementation that returns the weights
-        with torch.no_grad():
-            model(input_ids=input_ids.view(1, -1), use_cache=False, logits_to_keep=1)
-    finally:
-        for h in handles:
-            h.remove()
-        model.set_attn_implementation(previous)
-    keep = []
+    scores = _attention_to(model, run, n - window, queries_from=n - window)
     tail = torch.arange(n - window, n, device=input_ids.device).expand(kv_heads, -1)
-    for s in scores:
-        s = s.view(kv_heads, -1, s.shape[-1]).mean(dim=1)
-        s = F.avg_pool1d(s[:, None], kernel, stride=1, padding=kernel // 2, count_include_pad=False)[:, 0]
-        s[:, :first] = float("inf")
-        top = s.topk(budget - window, dim=-1).indices
-        keep.append(torch.cat([top, tail], dim=-1).sort(dim=-1).values)
-    return keep
+    return _choose(scores, kv_heads, budget - window, kernel, first, tail)
+
+
+def snapkv_questions_keep(model: torch.nn.Module, rows: Rows, budget: int, questions: list[torch.Tensor],
+                          kernel: int = 5, first: int = 0) -> list[torch.Tensor]:
+    """SnapKV's choice with questions as the observation window: per layer and KV head, the
+    `budget` of a prefill's `rows` that the questions, each run right behind them, attend to
+    most (the first `first` kept whatever their score). Self-study's questions are the ones a
+    cartridge is trained to answer; a document's own tail only stands in for them."""
+    kv_heads, n = rows[0][0].shape[:2]
+    if n <= budget:
+        return [torch.arange(n, device=rows[0][0].device).expand(kv_heads, -1)] * len(rows)
+    if not questions:
+        raise ValueError("snapkv with questions as the window needs at least one question")
+
+    def run() -> None:
+        for q in questions:
+            forward_behind(model, rows, q.view(1, -1))
+
+    return _choose(_attention_to(model, run, n), kv_heads, budget, kernel, first)
 
 
 def knorm_rows(rows: Rows, budget: int, rotary=None) -> Rows:
