@@ -95,7 +95,8 @@ def train_cartridge(
         load_optimizer(ctx_dir / state["optimizer"], opt)
         log, start, before = state["log"], state["step"], state["heldout_before"]
     else:
-        cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, window_questions(train))
+        questions = window_questions(train) if config.init == "snapkv_questions" else ()
+        cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, questions)
         opt = make_optimizer(cart, config.lr)
         log, start, before = [], 0, mean_loss(lm.model, [cart], heldout)
     for step in range(start, len(groups)):

@@ -46,10 +46,6 @@ FLEET_DOCS = {
 # Digests of float bytes (a safetensors file's metadata; the fleet manifest's own checksum and its
 # index files' sha256): loose compares the floats themselves instead.
 CHECKSUMS = ("checksum", "header_checksum")
-
-
-def _checksum(key: str) -> bool:
-    return key in CHECKSUMS or key.endswith("_sha256")
 # Wall-clock fields and paths that name the temporary directory.
 VOLATILE = {"seconds", "started_at", "finished_at", "created_at", "run_id", "elapsed_s", "wall_s",
             "updated_at", "written_at", "path", "store",
@@ -99,6 +95,10 @@ def _floats_out(obj: Any, floats: list[float]) -> Any:
         floats.append(obj)
         return "<float>"
     return obj
+
+
+def _checksum(key: str) -> bool:
+    return key in CHECKSUMS or key.endswith("_sha256")
 
 
 def _volatile(key: str) -> bool:
