@@ -45,6 +45,7 @@ from cartridges.evaluation.retrieval import Retriever, context_ids, corpus_chunk
 from schemas import EVALS
 from stages.progress import progress
 from storage import StageContext, Store
+from storage.faults import fault_point
 
 NAME = "eval"
 VERSION = 6
@@ -296,7 +297,11 @@ def scored_arm(store: Store, lm: LoadedModel, arm: Arm, used: list[Question], ma
 
     def work(ctx: StageContext) -> None:
         with progress(len(used), f"eval {arm.name}", "question") as bar:
-            scored, ttft = score_arm(lm, arm, used, max_new=max_new, progress=bar.update)
+            def step(n: int) -> None:
+                bar.update(n)
+                fault_point(f"eval.question.{arm.name}")  # one question scored, the arm not yet
+
+            scored, ttft = score_arm(lm, arm, used, max_new=max_new, progress=step)
         out.update(scored=scored, ttft=ttft)
         rows = [{f: getattr(s, f) for f in SCORED_FIELDS} for s in scored]
         ctx.write_file(ARM_FILE, json.dumps({"ttft": ttft, "rows": rows}).encode())

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.reliability
 STOP_LIMIT_S = 15.0
 
 
-def wait_stopped(pid: int, proc, timeout: float = 240) -> None:
+def wait_stopped(pid: int, exitcode, timeout: float = 240) -> None:
+    """Wait until process `pid` halts (SIGSTOP); `exitcode()` is None while it runs."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -32,7 +33,7 @@ def wait_stopped(pid: int, proc, timeout: float = 240) -> None:
             state = "?"
         if state == "T":
             return
-        assert proc.is_alive(), f"exited {proc.exitcode} before reaching its stop point"
+        assert exitcode() is None, f"exited {exitcode()} before reaching its stop point"
         time.sleep(0.02)
     raise AssertionError("never reached its stop point")
 
@@ -43,7 +44,7 @@ def stop_at(argv: list[str], log: Path, point: str, signum: int) -> tuple[int, f
 
     proc = context().Process(target=main, args=(argv, {ENV: f"{point}:stop"}, str(log)))
     proc.start()
-    wait_stopped(proc.pid, proc)
+    wait_stopped(proc.pid, lambda: proc.exitcode)
     import os
 
     os.kill(proc.pid, signum)
@@ -196,13 +197,13 @@ def test_eval_stopped_by_sigint_names_the_stage_and_the_rerun_scores_the_same(tm
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     clean = subprocess.run(argv("clean"), capture_output=True, text=True, env=env, timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
-    proc = subprocess.Popen(argv("run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    while not (tmp_path / "run" / "eval").is_dir():  # the eval stage has begun
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.01)
-    time.sleep(0.5)
+    # halt after the bare arm's third question, inside its eval_arm stage, and signal there
+    proc = subprocess.Popen(argv("run"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, ENV: "eval.question.bare@3:stop"})
+    wait_stopped(proc.pid, proc.poll)
     proc.send_signal(signal.SIGINT)
     began = time.monotonic()
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     seconds = time.monotonic() - began
     last = err.strip().splitlines()[-1]
