@@ -35,8 +35,13 @@ def resolve(config: PipelineConfig, tokens: int) -> PipelineConfig:
     return config.replace(chunks=chunks, train=train)
 
 
+def rows_of(config: PipelineConfig) -> int:
+    """Supervised rows: one per turn of each planned conversation."""
+    return config.chunks.conversations * config.synth.turns
+
+
 def steps_of(config: PipelineConfig) -> int:
-    return math.ceil(config.chunks.conversations * config.train.epochs / config.train.accum)
+    return math.ceil(rows_of(config) * config.train.epochs / config.train.accum)
 
 
 def estimate_seconds(store: Store, model_id: str, config: PipelineConfig) -> tuple[float | None, int]:
@@ -53,14 +58,15 @@ def estimate_seconds(store: Store, model_id: str, config: PipelineConfig) -> tup
             per_step.append(s["train_seconds"] / s["steps"])
     if not per_conv or not per_step:
         return None, 0
-    total = config.chunks.conversations * statistics.median(per_conv) + steps_of(config) * statistics.median(per_step)
+    total = rows_of(config) * statistics.median(per_conv) + steps_of(config) * statistics.median(per_step)
     return total, min(len(per_conv), len(per_step))
 
 
 def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None, int]) -> str:
     rows, convs = config.train.p, config.chunks.conversations
     seconds, runs = estimate
+    turns = f" of {config.synth.turns} turns" if config.synth.turns > 1 else ""
     minutes = (f"about {seconds / 60:.0f} min on this machine (from {runs} earlier run{'s' * (runs != 1)})"
                if seconds is not None else "no estimate yet (no earlier run of this model in this store)")
     return (f"plan: {tokens:,} corpus tokens -> {rows:,} rows ({tokens / rows:.1f}x fewer), "
-            f"{convs:,} conversations, {steps_of(config):,} training steps; {minutes}")
+            f"{convs:,} conversations{turns}, {steps_of(config):,} training steps; {minutes}")

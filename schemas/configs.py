@@ -243,12 +243,18 @@ class SynthConfig(_Config):
     teacher_context: str = added("chunk", choices=TEACHER_CONTEXTS, ablation=True,
                                  help="what bot B answers from: the chunk, or its whole document")
 
+    # Multi-turn self-study (the paper's k): a conversation goes on for this many turns, bot A
+    # asking a follow-up with the exchange so far in view; every assistant turn is supervised.
+    turns: int = added(1, ablation=True, help="turns per self-study conversation, each answer supervised")
+
     def validate(self) -> None:
         if self.teacher_context not in TEACHER_CONTEXTS:
             raise _bad(self, "teacher_context", f"must be one of {list(TEACHER_CONTEXTS)}")
         for name in ("max_q", "max_a", "gen_batch"):
             if getattr(self, name) < 1:
                 raise _bad(self, name, "must be >= 1")
+        if not 1 <= self.turns <= 4:
+            raise _bad(self, "turns", "must be in [1, 4]")
         if not 0 <= self.keep_topk <= 1000:
             raise _bad(self, "keep_topk", "must be in [0, 1000]")
         if not 0 <= self.spec_b <= 16:

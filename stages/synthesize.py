@@ -9,6 +9,9 @@ it chose each answer token from is that token's teacher target, kept (top-k) so 
 teacher pass need not run the answers again. The student sequence is the same ids
 with the chunk's system turn cut away (the cartridge takes its place).
 
+With `synth.turns` above 1, a conversation goes on: bot A sees the exchange so far and
+asks a follow-up, bot B answers behind the whole conversation; each turn is its own row.
+
 Conversations about one chunk (several seed types) share their prompt heads: each bot
 prefills the chunk once per group and continues every conversation behind those rows.
 Conversations are written in shards of `gen_batch`; a rerun after a crash keeps the
@@ -80,11 +83,12 @@ def document_contexts(docs: list[dict], config: SynthConfig, limit: int) -> dict
     return {d["doc_id"]: named(d["text"], d["name"]) if len(docs) > 1 else d["text"] for d in docs}
 
 
-def focus_of(chunk: dict, config: SynthConfig, tokenizer) -> str | None:
+def focus_of(chunk: dict, config: SynthConfig, tokenizer, turn: int = 0) -> str | None:
     """The sentence this conversation asks about: a span's conversations have consecutive
-    chunk ids, so they take consecutive sentences from an offset keyed by the span."""
-    offset = keyed_seed(config.seed, "focus", chunk["doc_id"], chunk["start"], chunk["end"])
-    return focus_sentence(tokenizer.decode(chunk["token_ids"]), offset + int(chunk["chunk_id"]))
+    chunk ids, so they take consecutive sentences from an offset keyed by the span. A later
+    turn's offset is keyed by the turn too, so a follow-up asks about another sentence."""
+    key = (config.seed, "focus", chunk["doc_id"], chunk["start"], chunk["end"]) + ((turn,) if turn else ())
+    return focus_sentence(tokenizer.decode(chunk["token_ids"]), keyed_seed(*key) + int(chunk["chunk_id"]))
 
 
 def synthesize_group(
@@ -92,29 +96,62 @@ def synthesize_group(
     answer_contexts: list[str] | None = None,
 ) -> list[dict]:
     """One group of conversations (rows of the `conversations` table), in chunk order. Bot A sees
-    `contexts`; bot B and so the teacher see `answer_contexts` (default: the same)."""
+    `contexts`; bot B and so the teacher see `answer_contexts` (default: the same).
+
+    With `config.turns` above 1 a conversation whose turn passed the filter goes on: bot A, shown
+    the exchange so far, asks a follow-up and bot B answers it with the whole conversation in
+    context. Each turn is a row (conv_id = chunk_id * turns + turn) whose teacher and student
+    sequences hold the earlier turns, so every assistant turn is supervised, each in its context.
+    """
     answer_contexts = contexts if answer_contexts is None else answer_contexts
+    turns = [[] for _ in chunks]  # rows of each conversation, turn by turn
+    live = list(range(len(chunks)))
+    for turn in range(config.turns):
+        done = _turn(lm, [chunks[i] for i in live], [contexts[i] for i in live],
+                     [answer_contexts[i] for i in live], [turns[i] for i in live], config, turn)
+        for i, row in zip(live, done, strict=True):
+            turns[i].append(row)
+        live = [i for i in live if turns[i][-1]["answer"] and (not config.filter or _passed(turns[i][-1]))]
+    return [row for rows in turns for row in rows]
+
+
+def _passed(row: dict) -> bool:
+    return bool(row["a_ok"] and row["b_ok"])
+
+
+def _turn(
+    lm: LoadedModel, chunks: list[dict], contexts: list[str], answer_contexts: list[str],
+    earlier: list[list[dict]], config: SynthConfig, turn: int,
+) -> list[dict]:
+    """Turn `turn` of each conversation (one row each), after the rows of its `earlier` turns."""
     tok = lm.tokenizer
     eot = tuple(end_of_turn_ids(tok))
     a_streams = []
-    for chunk, ctx in zip(chunks, contexts, strict=True):
+    for chunk, ctx, before in zip(chunks, contexts, earlier, strict=True):
         stops = eot + (question_stop_ids(tok) if stops_at_question(chunk["seed_type"], config.stop_at_question) else ())
-        focus = focus_of(chunk, config, tok) if config.focus else None
+        focus = focus_of(chunk, config, tok, turn) if config.focus else None
+        history = [(r["question"], r["answer"]) for r in before]
+        seed = int(chunk["rng_seed"]) if turn == 0 else keyed_seed(chunk["rng_seed"], "turn", turn)
         a_streams.append(Stream(
-            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus), max_new=config.max_q,
-            temperature=config.temperature_a, seed=int(chunk["rng_seed"]), stop_ids=stops,
+            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus, history), max_new=config.max_q,
+            temperature=config.temperature_a, seed=seed, stop_ids=stops,
         ))
     a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, share_min=SHARE_MIN)
-    fault_point("synthesize.questions")  # questions generated, answers not yet
+    if turn == 0:
+        fault_point("synthesize.questions")  # questions generated, answers not yet
 
     rows, b_streams, b_index = [], [], []
-    for i, (chunk, ctx, gen) in enumerate(zip(chunks, answer_contexts, a_out, strict=True)):
+    for i, (chunk, ctx, before, gen) in enumerate(zip(chunks, answer_contexts, earlier, a_out, strict=True)):
         raw = tok.decode([t for t in gen.tokens if t not in eot], skip_special_tokens=True)
         question = clean_question(raw, chunk["seed_type"], config.stop_at_question)
         ok, reason = score_message(question, SEEDS[chunk["seed_type"]].instruction)
-        rows.append(_row(chunk, config, question, ok, reason, len(gen.tokens)))
+        conv_id = int(chunk["chunk_id"]) * config.turns + turn
+        rows.append(_row(chunk, config, conv_id, question, ok, reason, len(gen.tokens)))
         if ok or not config.filter:
-            messages = [{"role": "system", "content": ctx}, {"role": "user", "content": question}]
+            messages = [{"role": "system", "content": ctx}]
+            for r in before:
+                messages += [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]
+            messages.append({"role": "user", "content": question})
             b_streams.append(Stream(prompt=chat_ids(tok, messages, add_generation_prompt=True),
                                     max_new=config.max_a, stop_ids=eot, loop_span=LOOP_SPAN,
                                     keep_topk=config.keep_topk, draft=config.spec_b))
@@ -149,9 +186,9 @@ def synthesize_group(
     return rows
 
 
-def _row(chunk: dict, config: SynthConfig, question: str, ok: bool, reason: str, q_tokens: int) -> dict:
+def _row(chunk: dict, config: SynthConfig, conv_id: int, question: str, ok: bool, reason: str, q_tokens: int) -> dict:
     return {
-        "conv_id": int(chunk["chunk_id"]), "chunk_id": int(chunk["chunk_id"]), "doc_id": int(chunk["doc_id"]),
+        "conv_id": conv_id, "chunk_id": int(chunk["chunk_id"]), "doc_id": int(chunk["doc_id"]),
         "seed_type": chunk["seed_type"], "split": chunk["split"], "question": question, "answer": "",
         "teacher_ids": [], "student_ids": [], "answer_start": 0, "student_answer_start": 0,
         "a_ok": ok, "b_ok": False, "a_reason": reason, "b_reason": "skipped" if not ok else "",

@@ -31,6 +31,7 @@ PIPELINE_FLAGS: list[tuple[list[str], dict]] = [
     (["--keep-topk", "5"], {"synth": {"keep_topk": 5}}),
     (["--spec-b", "2"], {"synth": {"spec_b": 2}}),
     (["--teacher-context", "document"], {"synth": {"teacher_context": "document"}}),
+    (["--turns", "2"], {"synth": {"turns": 2}}),
     (["--top-k", "5"], {"teacher": {"top_k": 5}}),
     (["--top-mass", "0.9"], {"teacher": {"top_mass": 0.9}}),
     (["--p", "32"], {"train": {"p": 32}}),
@@ -70,7 +71,7 @@ FLEET_FLAGS: list[tuple[list[str], dict]] = [
 # Switches only the quality studies turn (experiments/LAB.md, experiments/fleet_quality.py):
 # they parse, and stay out of --help.
 HIDDEN = {"train": {"--heldout-region", "--stop-at-question", "--no-stop-at-question", "--focus", "--no-focus",
-                    "--teacher-context", "--schedule", "--warmup"},
+                    "--teacher-context", "--schedule", "--warmup", "--turns"},
           "fleet": {"--distractors"}}
 
 PARSER = build_parser()

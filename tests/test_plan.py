@@ -44,3 +44,17 @@ def test_a_run_prints_its_plan_and_later_runs_estimate_from_the_earlier_ones(tmp
                 + steps_of(cfg) * summary["train_seconds"] / summary["steps"])
     assert runs == 1 and seconds == pytest.approx(expected)
     assert "from 1 earlier run)" in plan_line(resolve(cfg, tokens), tokens, (seconds, runs))
+
+
+def test_a_multi_turn_run_trains_on_every_turn_and_plans_its_steps(tmp_path):
+    """synth.turns=2: the plan counts a row per turn, and the run trains on the second turns too."""
+    corpus = tmp_path / "c.md"
+    corpus.write_text(CORPUS)
+    lm, store = tiny_llama(), Store(tmp_path / "s")
+    one = preset("smoke", {"synth": {"filter": False}})
+    two = preset("smoke", {"synth": {"filter": False, "turns": 2}})
+    assert steps_of(two) == math.ceil(2 * one.chunks.conversations * one.train.epochs / one.train.accum)
+    assert "conversations of 2 turns" in plan_line(two, 1000, (None, 0))
+    summary = run_pipeline(store, lm, [corpus], two)
+    train_planned = two.chunks.conversations  # held-out conversations come on top
+    assert train_planned < summary["conversations"] <= 2 * train_planned

@@ -193,3 +193,83 @@ def test_fleet_self_study_gives_bot_b_the_target_document_under_a_document_teach
     assert seen["answers"] == [text] and seen["contexts"] == [tok.decode(doc["token_ids"][:5])]
     fleet_data._conversations(Ctx(), lm, rows, doc, SynthConfig(), TeacherConfig())
     assert seen["answers"] is None
+
+
+def test_a_second_turn_holds_the_first_and_its_kept_targets_are_a_real_forwards(monkeypatch):
+    """synth.turns=2: each conversation's turn-2 row carries turn 1 in its teacher and student
+    sequences (conv_id = chunk_id * 2 + turn), bot A's follow-up prompt shows the exchange so far,
+    and the targets bot B kept for the second answer are the model's distributions behind a real
+    prefill of the whole conversation."""
+    import torch
+
+    from cartridges.core.chat import chat_ids, system_ids
+    from cartridges.selfstudy.seeds import HISTORY_LEAD
+    from schemas import SynthConfig
+    from stages import synthesize
+
+    lm = tiny_llama(torch.float64)
+    tok = lm.tokenizer
+    text = "Gamma rays are short. Delta is a river mouth."
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    chunks = [{"chunk_id": i, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
+               "split": "train", "rng_seed": i, "tokens": len(ids)} for i in range(3)]
+    prompts: list[list[str]] = []
+    real_generate = synthesize.generate
+
+    def spy(model, streams, batch_size, progress=None, share_min=0):
+        prompts.append([tok.decode(s.prompt) for s in streams])
+        return real_generate(model, streams, batch_size=batch_size, progress=progress, share_min=share_min)
+
+    monkeypatch.setattr(synthesize, "generate", spy)
+    config = SynthConfig(max_q=6, max_a=5, filter=False, focus=False, turns=2)
+    rows = synthesize.synthesize_group(lm, chunks, [text] * 3, config)
+    first = {r["chunk_id"]: r for r in rows if r["conv_id"] % 2 == 0}
+    second = [r for r in rows if r["conv_id"] % 2 == 1]
+    assert sorted(first) == [0, 1, 2] and [r["conv_id"] for r in first.values()] == [0, 2, 4]
+    assert second, "no conversation reached its second turn"
+    assert all(HISTORY_LEAD not in p for p in prompts[0]) and len(prompts) == 4  # bot A, bot B, per turn
+    head = system_ids(tok, text)
+    for row in second:
+        before = first[row["chunk_id"]]
+        assert any(HISTORY_LEAD in p and before["question"] in p for p in prompts[2])
+        messages = [{"role": "system", "content": text}, {"role": "user", "content": before["question"]},
+                    {"role": "assistant", "content": before["answer"]}, {"role": "user", "content": row["question"]}]
+        prompt = chat_ids(tok, messages, add_generation_prompt=True)
+        assert row["teacher_ids"][: row["answer_start"]] == prompt and row["conv_id"] == row["chunk_id"] * 2 + 1
+        assert row["teacher_ids"] == head + row["student_ids"]
+        assert row["student_answer_start"] == row["answer_start"] - len(head)
+        with torch.no_grad():
+            logits = lm.model(torch.tensor([row["teacher_ids"]])).logits[0].double()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        start = row["answer_start"]
+        assert len(row["answer_topk_ids"]) == len(row["teacher_ids"]) - start
+        for j, (top_ids, top_lps) in enumerate(zip(row["answer_topk_ids"], row["answer_topk_logprobs"], strict=True)):
+            assert torch.allclose(torch.tensor(top_lps, dtype=torch.float64), logprobs[start + j - 1, top_ids], atol=1e-6)
+
+
+def test_one_turn_keeps_conv_ids_equal_to_chunk_ids_and_a_failed_turn_ends_its_conversation(monkeypatch):
+    from cartridges.core.generate import Generation
+    from schemas import SynthConfig
+    from stages import synthesize
+
+    monkeypatch.setattr(synthesize, "generate",
+                        lambda model, streams, batch_size, progress=None, share_min=0:
+                        [Generation(tokens=[], finished="stop") for _ in streams])
+    ids = tiny_tokenizer()("Some text.", add_special_tokens=False)["input_ids"]
+    chunks = [{"chunk_id": i, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
+               "split": "train", "rng_seed": i, "tokens": len(ids)} for i in (4, 9)]
+    one = synthesize.synthesize_group(tiny_llama(), chunks, ["Some text."] * 2, SynthConfig())
+    assert [r["conv_id"] for r in one] == [4, 9]
+    # empty questions fail the filter, so no conversation goes on to a second turn
+    two = synthesize.synthesize_group(tiny_llama(), chunks, ["Some text."] * 2, SynthConfig(turns=3))
+    assert [r["conv_id"] for r in two] == [12, 27] and not any(r["a_ok"] for r in two)
+
+
+def test_turns_out_of_range_are_refused_by_name():
+    import pytest
+
+    from schemas import SynthConfig
+
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="turns"):
+            SynthConfig(turns=bad)
