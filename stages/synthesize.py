@@ -9,8 +9,8 @@ it chose each answer token from is that token's teacher target, kept (top-k) so 
 teacher pass need not run the answers again. The student sequence is the same ids
 with the chunk's system turn cut away (the cartridge takes its place).
 
-With `synth.turns` above 1, a conversation goes on: bot A sees the exchange so far and
-asks a follow-up, bot B answers behind the whole conversation; each turn is its own row.
+With `synth.turns` above 1, a conversation goes on: bot A asks again about the chunk and
+bot B answers behind the whole conversation; each turn is its own row.
 
 Conversations about one chunk (several seed types) share their prompt heads: each bot
 prefills the chunk once per group and continues every conversation behind those rows.
@@ -98,21 +98,29 @@ def synthesize_group(
     """One group of conversations (rows of the `conversations` table), in chunk order. Bot A sees
     `contexts`; bot B and so the teacher see `answer_contexts` (default: the same).
 
-    With `config.turns` above 1 a conversation whose turn passed the filter goes on: bot A, shown
-    the exchange so far, asks a follow-up and bot B answers it with the whole conversation in
-    context. Each turn is a row (conv_id = chunk_id * turns + turn) whose teacher and student
-    sequences hold the earlier turns, so every assistant turn is supervised, each in its context.
+    With `config.turns` above 1 a conversation whose turn passed the filter goes on: bot A asks
+    again about the chunk (another seed draw and focus sentence; it is not shown the exchange,
+    whose questions the 135M model copies) and bot B answers with the whole conversation in
+    context. A question that repeats one of its conversation's is dropped ("repeat"). Each turn
+    is a row (conv_id = chunk_id * turns + turn) whose teacher and student sequences hold the
+    earlier turns, so every assistant turn is supervised, each in its context.
     """
     answer_contexts = contexts if answer_contexts is None else answer_contexts
     turns = [[] for _ in chunks]  # rows of each conversation, turn by turn
     live = list(range(len(chunks)))
     for turn in range(config.turns):
+        if not live:
+            break
         done = _turn(lm, [chunks[i] for i in live], [contexts[i] for i in live],
                      [answer_contexts[i] for i in live], [turns[i] for i in live], config, turn)
         for i, row in zip(live, done, strict=True):
             turns[i].append(row)
         live = [i for i in live if turns[i][-1]["answer"] and (not config.filter or _passed(turns[i][-1]))]
     return [row for rows in turns for row in rows]
+
+
+def _said(question: str) -> str:
+    return " ".join(question.lower().split())
 
 
 def _passed(row: dict) -> bool:
@@ -127,13 +135,12 @@ def _turn(
     tok = lm.tokenizer
     eot = tuple(end_of_turn_ids(tok))
     a_streams = []
-    for chunk, ctx, before in zip(chunks, contexts, earlier, strict=True):
+    for chunk, ctx in zip(chunks, contexts, strict=True):
         stops = eot + (question_stop_ids(tok) if stops_at_question(chunk["seed_type"], config.stop_at_question) else ())
         focus = focus_of(chunk, config, tok, turn) if config.focus else None
-        history = [(r["question"], r["answer"]) for r in before]
         seed = int(chunk["rng_seed"]) if turn == 0 else keyed_seed(chunk["rng_seed"], "turn", turn)
         a_streams.append(Stream(
-            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus, history), max_new=config.max_q,
+            prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus), max_new=config.max_q,
             temperature=config.temperature_a, seed=seed, stop_ids=stops,
         ))
     a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, share_min=SHARE_MIN)
@@ -145,6 +152,8 @@ def _turn(
         raw = tok.decode([t for t in gen.tokens if t not in eot], skip_special_tokens=True)
         question = clean_question(raw, chunk["seed_type"], config.stop_at_question)
         ok, reason = score_message(question, SEEDS[chunk["seed_type"]].instruction)
+        if ok and _said(question) in {_said(r["question"]) for r in before}:
+            ok, reason = False, "repeat"
         conv_id = int(chunk["chunk_id"]) * config.turns + turn
         rows.append(_row(chunk, config, conv_id, question, ok, reason, len(gen.tokens)))
         if ok or not config.filter:

@@ -197,13 +197,12 @@ def test_fleet_self_study_gives_bot_b_the_target_document_under_a_document_teach
 
 def test_a_second_turn_holds_the_first_and_its_kept_targets_are_a_real_forwards(monkeypatch):
     """synth.turns=2: each conversation's turn-2 row carries turn 1 in its teacher and student
-    sequences (conv_id = chunk_id * 2 + turn), bot A's follow-up prompt shows the exchange so far,
-    and the targets bot B kept for the second answer are the model's distributions behind a real
-    prefill of the whole conversation."""
+    sequences (conv_id = chunk_id * 2 + turn), bot A asks afresh about the chunk, and the targets
+    bot B kept for the second answer are the model's distributions behind a real prefill of the
+    whole conversation."""
     import torch
 
     from cartridges.core.chat import chat_ids, system_ids
-    from cartridges.selfstudy.seeds import HISTORY_LEAD
     from schemas import SynthConfig
     from stages import synthesize
 
@@ -213,11 +212,11 @@ def test_a_second_turn_holds_the_first_and_its_kept_targets_are_a_real_forwards(
     ids = tok(text, add_special_tokens=False)["input_ids"]
     chunks = [{"chunk_id": i, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
                "split": "train", "rng_seed": i, "tokens": len(ids)} for i in range(3)]
-    prompts: list[list[str]] = []
+    prompts: list[list[list[int]]] = []
     real_generate = synthesize.generate
 
     def spy(model, streams, batch_size, progress=None, share_min=0):
-        prompts.append([tok.decode(s.prompt) for s in streams])
+        prompts.append([list(s.prompt) for s in streams])
         return real_generate(model, streams, batch_size=batch_size, progress=progress, share_min=share_min)
 
     monkeypatch.setattr(synthesize, "generate", spy)
@@ -227,11 +226,11 @@ def test_a_second_turn_holds_the_first_and_its_kept_targets_are_a_real_forwards(
     second = [r for r in rows if r["conv_id"] % 2 == 1]
     assert sorted(first) == [0, 1, 2] and [r["conv_id"] for r in first.values()] == [0, 2, 4]
     assert second, "no conversation reached its second turn"
-    assert all(HISTORY_LEAD not in p for p in prompts[0]) and len(prompts) == 4  # bot A, bot B, per turn
+    assert len(prompts) == 4  # bot A and bot B, per turn
+    assert all(p in prompts[0] for p in prompts[2])  # bot A's second prompt is a first-turn prompt
     head = system_ids(tok, text)
     for row in second:
         before = first[row["chunk_id"]]
-        assert any(HISTORY_LEAD in p and before["question"] in p for p in prompts[2])
         messages = [{"role": "system", "content": text}, {"role": "user", "content": before["question"]},
                     {"role": "assistant", "content": before["answer"]}, {"role": "user", "content": row["question"]}]
         prompt = chat_ids(tok, messages, add_generation_prompt=True)
@@ -247,22 +246,47 @@ def test_a_second_turn_holds_the_first_and_its_kept_targets_are_a_real_forwards(
             assert torch.allclose(torch.tensor(top_lps, dtype=torch.float64), logprobs[start + j - 1, top_ids], atol=1e-6)
 
 
-def test_one_turn_keeps_conv_ids_equal_to_chunk_ids_and_a_failed_turn_ends_its_conversation(monkeypatch):
+def _scripted(monkeypatch, questions: list[str], answer: str):
+    """generate stubbed: bot A's call n returns questions[n] for every stream, bot B always `answer`."""
+    from cartridges.core.chat import end_of_turn_ids
     from cartridges.core.generate import Generation
+    from stages import synthesize
+
+    tok = tiny_tokenizer()
+    eot = end_of_turn_ids(tok)[0]
+    calls = []
+
+    def fake(model, streams, batch_size, progress=None, share_min=0):
+        text = answer if len(calls) % 2 else questions[len(calls) // 2]
+        calls.append(text)
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [eot]
+        return [Generation(tokens=list(ids), finished="stop") for _ in streams]
+
+    monkeypatch.setattr(synthesize, "generate", fake)
+    return calls
+
+
+def test_one_turn_keeps_conv_ids_and_a_failed_or_repeated_turn_ends_its_conversation(monkeypatch):
     from schemas import SynthConfig
     from stages import synthesize
 
-    monkeypatch.setattr(synthesize, "generate",
-                        lambda model, streams, batch_size, progress=None, share_min=0:
-                        [Generation(tokens=[], finished="stop") for _ in streams])
     ids = tiny_tokenizer()("Some text.", add_special_tokens=False)["input_ids"]
     chunks = [{"chunk_id": i, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
                "split": "train", "rng_seed": i, "tokens": len(ids)} for i in (4, 9)]
-    one = synthesize.synthesize_group(tiny_llama(), chunks, ["Some text."] * 2, SynthConfig())
+    lm = tiny_llama()
+    _scripted(monkeypatch, ["", "", ""], "An answer of some words.")
+    one = synthesize.synthesize_group(lm, chunks, ["Some text."] * 2, SynthConfig())
     assert [r["conv_id"] for r in one] == [4, 9]
-    # empty questions fail the filter, so no conversation goes on to a second turn
-    two = synthesize.synthesize_group(tiny_llama(), chunks, ["Some text."] * 2, SynthConfig(turns=3))
+    # an empty question fails the filter, so no conversation goes on to a second turn
+    two = synthesize.synthesize_group(lm, chunks, ["Some text."] * 2, SynthConfig(turns=3))
     assert [r["conv_id"] for r in two] == [12, 27] and not any(r["a_ok"] for r in two)
+    # a second turn asking the first question again is a repeat and ends the conversation
+    calls = _scripted(monkeypatch, ["What is the rule of the text?", " what is the  rule of the text?"],
+                      "The rule is that servers vote once.")
+    rows = synthesize.synthesize_group(lm, chunks, ["Some text."] * 2, SynthConfig(turns=3))
+    assert [r["conv_id"] for r in rows] == [12, 13, 27, 28] and len(calls) == 4
+    assert [(r["a_ok"], r["a_reason"]) for r in rows] == [(True, ""), (False, "repeat")] * 2
+    assert all(r["b_ok"] for r in rows[::2]) and not any(r["answer"] for r in rows[1::2])
 
 
 def test_turns_out_of_range_are_refused_by_name():

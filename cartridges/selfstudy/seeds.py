@@ -84,8 +84,6 @@ REQUEST_WORDS = frozenset({
 })
 _POLITE = ("please",)
 FOCUS_LEAD = "Ask about this sentence of the text:"
-HISTORY_LEAD = "The conversation so far:"
-FOLLOW_UP_LEAD = "Now a follow-up on something it has not covered."
 
 
 def seed(seed_type: str) -> Seed:
@@ -98,10 +96,7 @@ def seed(seed_type: str) -> Seed:
         ) from None
 
 
-def bot_a_prompt(
-    tokenizer, chunk_text: str, seed_type: str, focus: str | None = None,
-    history: list[tuple[str, str]] | tuple = (),
-) -> list[int]:
+def bot_a_prompt(tokenizer, chunk_text: str, seed_type: str, focus: str | None = None) -> list[int]:
     """Token ids of bot A's prompt: chunk and instruction in one user turn, assistant turn opened.
 
     No system message is given, so a template such as SmolLM2's inserts its default
@@ -109,16 +104,11 @@ def bot_a_prompt(
     the student/teacher sequences are built elsewhere without that prompt.
     A `focus` sentence (synthesis' `focus` lever) is quoted before the instruction,
     so the question is about that fact of the chunk rather than whichever bot A picks.
-    A later turn shows the conversation's earlier (question, answer) pairs as `history`
-    and asks for a follow-up, so the question goes on from what was said.
     The label is tokenized without a trailing space so the model's next token
     carries its own leading space (" What ..."), as in ordinary text.
     """
     s = seed(seed_type)
     ask = f"{FOCUS_LEAD} {focus}\n{s.instruction}" if focus else s.instruction
-    if history:
-        said = "\n".join(f"Question: {q}\nAnswer: {a}" for q, a in history)
-        ask = f"{HISTORY_LEAD}\n{said}\n\n{FOLLOW_UP_LEAD} {ask}"
     messages = [{"role": "user", "content": f"{chunk_text}\n\n{ask}"}]
     ids = chat_ids(tokenizer, messages, add_generation_prompt=True)
     label = tokenizer(s.assistant_prefix.rstrip(), add_special_tokens=False)["input_ids"]
