@@ -244,7 +244,8 @@ class SynthConfig(_Config):
                                  help="what bot B answers from: the chunk, or its whole document")
 
     # Multi-turn self-study (the paper's k): a conversation goes on for this many turns, bot A
-    # asking a follow-up with the exchange so far in view; every assistant turn is supervised.
+    # asking afresh about the chunk and bot B answering behind the exchange so far; every
+    # assistant turn is supervised.
     turns: int = added(1, ablation=True, help="turns per self-study conversation, each answer supervised")
 
     def validate(self) -> None:

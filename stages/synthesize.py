@@ -44,6 +44,7 @@ from schemas import TABLES, SynthConfig, validate_table
 from stages.fanout import report_resumed_shards
 from stages.job import Job
 from stages.progress import progress as progress_bar
+from stages.teacher import usable
 from storage import StageContext, StageResult
 from storage.faults import fault_point
 
@@ -115,16 +116,12 @@ def synthesize_group(
                      [answer_contexts[i] for i in live], [turns[i] for i in live], config, turn)
         for i, row in zip(live, done, strict=True):
             turns[i].append(row)
-        live = [i for i in live if turns[i][-1]["answer"] and (not config.filter or _passed(turns[i][-1]))]
+        live = [i for i in live if turns[i][-1]["answer"] and usable(turns[i][-1], config.filter)]
     return [row for rows in turns for row in rows]
 
 
 def _said(question: str) -> str:
     return " ".join(question.lower().split())
-
-
-def _passed(row: dict) -> bool:
-    return bool(row["a_ok"] and row["b_ok"])
 
 
 def _turn(
