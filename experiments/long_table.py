@@ -328,6 +328,9 @@ def table(out: Path) -> dict:
                 rag = next((x for x in records if x["arm"] == "rag" and x["budget"] == r["budget"]), None)
                 if rag and r["budget"] and r["arm"] != "rag":
                     row["vs_rag"] = paired(r, rag, bare, ceiling)
+                half = next((x for x in records if x["arm"] == "rag" and x["budget"] == r["budget"] // 2), None)
+                if half and r["arm"] == "fleet_rag":  # its chunks alone: what the cartridge half adds
+                    row["vs_rag_half"] = paired(r, half, bare, ceiling)
             rows.append(row)
         corpora[name] = {"questions": len(records[0]["questions"]), "rows": rows}
     return {"corpora": corpora, "mean": _means(corpora)}
@@ -375,6 +378,12 @@ def markdown(result: dict) -> str:
                 f"| {_f(vs.get('accuracy') and 100 * vs['accuracy'], '{:+.1f}')}{_ci(vs.get('accuracy_ci') and [100 * x for x in vs['accuracy_ci']], '{:+.1f}')} "
                 f"| {r['kv_rows']:.0f} | {r['kv_mib']:.1f} | {_f(r['ttft_s'], '{:.2f}')} | {_f(r['train_min'], '{:.1f}')} |")
         lines.append("")
+        for r in c["rows"]:
+            if (r.get("vs_rag_half") or {}).get("closure") is not None:
+                h = r["vs_rag_half"]
+                lines += [f"`fleet_rag` at {r['budget']} against `rag` at {r['budget'] // 2} (its chunks alone), paired: "
+                          f"closure {h['closure']:+.3f}{_ci(h['closure_ci'], '{:+.3f}')}, accuracy "
+                          f"{100 * h['accuracy']:+.1f}{_ci([100 * x for x in h['accuracy_ci']], '{:+.1f}')} points.", ""]
     lines += ["### Mean over the long corpora", "", "| budget | arm | corpora | closure | accuracy | vs `rag`, closure |",
               "|---|---|---|---|---|---|"]
     for m in result["mean"]:

@@ -67,3 +67,24 @@ def test_the_table_reads_the_records_and_a_rerun_skips_finished_points(tmp_path,
     assert "vs_rag" not in rows["rag"]
     assert "| 512 | snapkv |" in lt.markdown(result)
     json.dumps(result)  # what --json prints
+
+
+def test_fleet_rag_is_paired_against_rag_at_half_its_budget(tmp_path):
+    """fleet_rag's chunk half alone is `rag` at half the budget: the pair isolates the cartridge half."""
+    out = tmp_path / "long"
+    out.mkdir()
+    recs = [record("c", 0, "bare", [5.0, 6.0, 4.0], [0, 0, 1]), record("c", 0, "icl_oracle", [3.0, 2.0, 2.0], [1, 1, 1]),
+            record("c", 512, "rag", [3.0, 4.0, 2.5], [1, 0, 1]), record("c", 1024, "rag", [3.5, 3.0, 3.0], [1, 1, 0]),
+            record("c", 1024, "fleet_rag", [3.0, 3.5, 2.0], [1, 1, 1], seed=7)]
+    with (out / "c.jsonl").open("w") as f:
+        for r in recs:
+            f.write(json.dumps({**r, "version": lt.VERSION}) + "\n")
+    result = lt.table(out)
+    rows = {(r["budget"], r["arm"]): r for r in result["corpora"]["c"]["rows"]}
+    gap = statistics.mean([2.0, 4.0, 2.0])
+    half = rows[(1024, "fleet_rag")]["vs_rag_half"]
+    assert half["closure"] == pytest.approx(statistics.mean([0.0, 0.5, 0.5]) / gap)
+    assert half["accuracy"] == pytest.approx(statistics.mean([0, 1, 0]))
+    assert rows[(1024, "fleet_rag")]["vs_rag"]["closure"] == pytest.approx(statistics.mean([0.5, -0.5, 1.0]) / gap)
+    assert "vs_rag_half" not in rows[(1024, "rag")]
+    assert "`fleet_rag` at 1024 against `rag` at 512 (its chunks alone), paired: closure +0.125" in lt.markdown(result)
