@@ -144,7 +144,8 @@ class Corpus:
         if have < rounds:
             run_fleet(Store(self.store / f"fleet-s{seed}"), self.train_lm, list(self.files), directory, config,
                       resume=started, log=log)
-        return directory, {"wall_s": time.perf_counter() - start, "rounds": rounds, "resumed_from": have}
+        return directory, {"wall_s": time.perf_counter() - start, "rounds": rounds, "resumed_from": have,
+                           "dtype": str(self.train_lm.dtype).removeprefix("torch.")}
 
     def arm(self, name: str, budget: int, seed: int):
         """The arm and what its training reported (None for untrained arms), or a reason it cannot run."""
