@@ -13,7 +13,8 @@ one-document corpora (`eval:raft`).
 
 A point is one (corpus, budget, arm, seed); each finished point is a line of
 `OUT/<corpus>.jsonl` with every question's correct-option NLL and correctness, so the
-table's intervals and paired differences are computed from the records. A rerun skips
+table's intervals and paired differences are computed from the records; `fleet_rag` at a
+budget is also paired with `rag` at half of it, its chunks without the cartridge. A rerun skips
 finished points; training keeps its store (synthesis is shared between budgets and
 between a fleet's arms), so an interrupted point continues.
 
