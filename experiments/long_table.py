@@ -320,6 +320,7 @@ def table(out: Path) -> dict:
         name = records[0]["corpus"]
         ref = {r["arm"]: r for r in records if r["budget"] == 0}
         bare, ceiling = ref.get("bare"), ref.get("icl_oracle")
+        rag_at = {r["budget"]: r for r in records if r["arm"] == "rag"}
         rows = []
         for r in sorted(records, key=lambda r: (r["budget"], ARMS.index(r["arm"]), r["seed"])):
             row = {"budget": r["budget"], "arm": r["arm"], "seed": r["seed"], "conversations": r["conversations"],
@@ -327,12 +328,10 @@ def table(out: Path) -> dict:
                    "kv_mib": r["kv_bytes"] / 2**20, "ttft_s": r["ttft_s"], "train_min": minutes(r, records)}
             if bare and ceiling:
                 row["closure"] = closure_of(r, bare, ceiling)
-                rag = next((x for x in records if x["arm"] == "rag" and x["budget"] == r["budget"]), None)
-                if rag and r["budget"] and r["arm"] != "rag":
-                    row["vs_rag"] = paired(r, rag, bare, ceiling)
-                half = next((x for x in records if x["arm"] == "rag" and x["budget"] == r["budget"] // 2), None)
-                if half and r["arm"] == "fleet_rag":  # its chunks alone: what the cartridge half adds
-                    row["vs_rag_half"] = paired(r, half, bare, ceiling)
+                if r["budget"] in rag_at and r["budget"] and r["arm"] != "rag":
+                    row["vs_rag"] = paired(r, rag_at[r["budget"]], bare, ceiling)
+                if r["arm"] == "fleet_rag" and r["budget"] // 2 in rag_at:  # its chunks alone: the cartridge half's share
+                    row["vs_rag_half"] = paired(r, rag_at[r["budget"] // 2], bare, ceiling)
             rows.append(row)
         corpora[name] = {"questions": len(records[0]["questions"]), "rows": rows}
     return {"corpora": corpora, "mean": _means(corpora)}
