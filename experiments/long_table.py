@@ -130,6 +130,7 @@ class Corpus:
 
     def train_fleet(self, budget: int, seed: int, p_iso: float) -> tuple[Path, dict]:
         """A fleet of `budget / K`-row cartridges; the isolated and mixed arms share one store."""
+        from cartridges.core.speed import dtype_name
         from cartridges.fleet.manifest import read_manifest
         from jobs.fleet import run_fleet
         from schemas.presets import fleet_preset
@@ -146,7 +147,7 @@ class Corpus:
             run_fleet(Store(self.store / f"fleet-s{seed}"), self.train_lm, list(self.files), directory, config,
                       resume=started, log=log)
         return directory, {"wall_s": time.perf_counter() - start, "rounds": rounds, "resumed_from": have,
-                           "dtype": str(self.train_lm.dtype).removeprefix("torch.")}
+                           "dtype": dtype_name(self.train_lm.dtype)}
 
     def arm(self, name: str, budget: int, seed: int):
         """The arm and what its training reported (None for untrained arms), or a reason it cannot run."""
@@ -192,6 +193,7 @@ class Corpus:
 
 
 def score_point(corpus: Corpus, arm_name: str, budget: int, seed: int) -> dict:
+    from cartridges.core.speed import dtype_name
     from cartridges.evaluation.evaluate import arm_ttft, score_arm, summarize_arm
 
     start = time.perf_counter()
@@ -210,7 +212,7 @@ def score_point(corpus: Corpus, arm_name: str, budget: int, seed: int) -> dict:
     summary = summarize_arm(lm, arm_name, scored, arm_ttft(lm, arm, corpus.questions), arm.notes)
     record.update({k: summary.get(k) for k in ("kv_rows", "kv_bytes", "ttft_s", "accuracy", "gold_nll")},
                   eval_s=time.perf_counter() - scored_at, wall_s=time.perf_counter() - start,
-                  eval_dtype=str(lm.dtype).removeprefix("torch."),
+                  eval_dtype=dtype_name(lm.dtype),
                   questions=[{"line": s.question.line, "doc": s.question.doc, "region": s.question.region,
                               "correct": s.correct, "gold_nll": s.gold_nll, "kv_rows": s.kv_rows} for s in scored])
     return record

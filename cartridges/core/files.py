@@ -19,6 +19,7 @@ from safetensors.torch import save as st_save
 
 from cartridges.core.cartridge import Cartridge, _brief
 from cartridges.core.errors import CartridgeFileError, GeometryError
+from cartridges.core.speed import dtype_name
 from storage.atomic import atomic_write_bytes
 
 FORMAT = "cartridges"
@@ -73,7 +74,7 @@ def cartridge_bytes(cart: Cartridge, fingerprint: dict, **meta) -> bytes:
         "model_fingerprint": json.dumps(fingerprint, sort_keys=True),
         "p": str(cart.p),
         "frozen": str(cart.frozen),
-        "dtype": str(cart.dtype).removeprefix("torch."),
+        "dtype": dtype_name(cart.dtype),
         "n_layers": str(cart.n_layers),
         "meta": json.dumps(fields, sort_keys=True, default=str),
         "checksum": _checksum(tensors),

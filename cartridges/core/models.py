@@ -20,7 +20,7 @@ import torch
 from cartridges.core.attention import use_grouped_sdpa
 from cartridges.core.errors import ModelError
 from cartridges.core.packaged import DEFAULT_MODEL, PACKAGED, ensure_packaged, read_gguf
-from cartridges.core.speed import DtypeChoice, choose_dtype, model_shape, threads_record
+from cartridges.core.speed import DtypeChoice, choose_dtype, dtype_name, model_shape, threads_record
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,7 +67,7 @@ class LoadedModel:
     @property
     def compute_id(self) -> str:
         """The fingerprint id plus the dtype: what stage artifacts computed by this model depend on."""
-        return fingerprint_id({**self.fingerprint, "dtype": str(self.dtype).removeprefix("torch.")})
+        return fingerprint_id({**self.fingerprint, "dtype": dtype_name(self.dtype)})
 
     @property
     def context_length(self) -> int:

@@ -39,6 +39,11 @@ IDLE_SAMPLE_S = 0.15
 _threads_reason = "torch's default: one thread per core"
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name `--dtype` takes and records carry ("bfloat16", not "torch.bfloat16")."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class DtypeChoice:
     dtype: torch.dtype
@@ -46,7 +51,7 @@ class DtypeChoice:
 
     def record(self) -> dict:
         """What a run summary and `--json` carry."""
-        return {"dtype": str(self.dtype).removeprefix("torch."), "dtype_reason": self.reason}
+        return {"dtype": dtype_name(self.dtype), "dtype_reason": self.reason}
 
 
 def cpu_capability() -> str:
