@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -311,12 +312,34 @@ def minutes(record: dict, records: Sequence[dict]) -> float | None:
     return train["wall_s"] / 60 if not train.get("resumed_from") else None
 
 
+def seed_mean(records: Sequence[dict]) -> dict:
+    """One arm's seeds as one record: each question's gold NLL and correctness averaged over the seeds,
+    so that its closure and paired differences carry the seeds' spread into the question-level mean."""
+    lines = set.intersection(*({q["line"] for q in r["questions"]} for r in records))
+    by_seed = [{q["line"]: q for q in r["questions"]} for r in records]
+    questions = [{**by_seed[0][k], "gold_nll": statistics.mean(float(b[k]["gold_nll"]) for b in by_seed),
+                  "correct": statistics.mean(float(b[k]["correct"]) for b in by_seed)} for k in sorted(lines)]
+    first = records[0]
+    return {**first, "seed": "mean", "seeds": [r["seed"] for r in records], "train": None, "questions": questions,
+            "accuracy": statistics.mean(q["correct"] for q in questions),
+            "ttft_s": statistics.mean(t) if (t := [r["ttft_s"] for r in records if r["ttft_s"] is not None]) else None}
+
+
+def with_seed_means(records: list[dict]) -> list[dict]:
+    """The records, plus a seed-mean record for each (budget, arm) that ran on more than one seed."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["budget"], r["arm"]), []).append(r)
+    return records + [seed_mean(sorted(g, key=lambda r: r["seed"])) for g in groups.values() if len(g) > 1]
+
+
 def table(out: Path) -> dict:
     """Per corpus and budget: every arm's accuracy and closure against icl_oracle, and its paired
-    difference from BM25 retrieval; then the closure of each arm averaged over the long corpora."""
+    difference from BM25 retrieval; then the closure of each arm averaged over the long corpora
+    (an arm with several seeds enters as its seed mean)."""
     corpora = {}
     for path in sorted(out.glob("*.jsonl")):
-        records = [r for r in read_points(path).values() if r.get("questions")]
+        records = with_seed_means([r for r in read_points(path).values() if r.get("questions")])
         if not records:
             continue
         name = records[0]["corpus"]
@@ -324,8 +347,10 @@ def table(out: Path) -> dict:
         bare, ceiling = ref.get("bare"), ref.get("icl_oracle")
         rag_at = {r["budget"]: r for r in records if r["arm"] == "rag"}
         rows = []
-        for r in sorted(records, key=lambda r: (r["budget"], ARMS.index(r["arm"]), r["seed"])):
+        seeds = Counter((r["budget"], r["arm"]) for r in records if r["seed"] != "mean")
+        for r in sorted(records, key=lambda r: (r["budget"], ARMS.index(r["arm"]), str(r["seed"]))):
             row = {"budget": r["budget"], "arm": r["arm"], "seed": r["seed"], "conversations": r["conversations"],
+                   "seeds_of_arm": seeds[(r["budget"], r["arm"])],
                    "accuracy": r["accuracy"], "accuracy_ci": accuracy_ci(r), "kv_rows": r["kv_rows"],
                    "kv_mib": r["kv_bytes"] / 2**20, "ttft_s": r["ttft_s"], "train_min": minutes(r, records)}
             if bare and ceiling:
@@ -346,7 +371,8 @@ def _means(corpora: dict) -> list[dict]:
         if name.startswith("eval"):
             continue
         for row in c["rows"]:
-            cells.setdefault((row["budget"], row["arm"]), []).append(row)
+            if row["seeds_of_arm"] == 1 or row["seed"] == "mean":
+                cells.setdefault((row["budget"], row["arm"]), []).append(row)
     out = []
     for (budget, arm), rows in sorted(cells.items(), key=lambda kv: (kv[0][0], ARMS.index(kv[0][1]))):
         closures = [r["closure"]["value"] for r in rows if (r.get("closure") or {}).get("value") is not None]
@@ -366,6 +392,14 @@ def _ci(ci, fmt: str = "{:.2f}") -> str:
     return "" if not ci else f" ({fmt.format(ci[0])} to {fmt.format(ci[1])})"
 
 
+def arm_label(row: dict, code: bool = False) -> str:
+    """The arm's name, with its seed where the arm ran on several."""
+    name = f"`{row['arm']}`" if code else row["arm"]
+    if row["seeds_of_arm"] == 1:
+        return name
+    return f"{name}, mean of {row['seeds_of_arm']} seeds" if row["seed"] == "mean" else f"{name}, seed {row['seed']}"
+
+
 def markdown(result: dict) -> str:
     lines = []
     for name, c in result["corpora"].items():
@@ -376,7 +410,7 @@ def markdown(result: dict) -> str:
         for r in c["rows"]:
             cl, vs = r.get("closure") or {}, r.get("vs_rag") or {}
             lines.append(
-                f"| {r['budget'] or 'n/a'} | {r['arm']} | {100 * r['accuracy']:.1f}%{_ci([100 * x for x in r['accuracy_ci']], '{:.0f}')} "
+                f"| {r['budget'] or 'n/a'} | {arm_label(r)} | {100 * r['accuracy']:.1f}%{_ci([100 * x for x in r['accuracy_ci']], '{:.0f}')} "
                 f"| {_f(cl.get('value'))}{_ci(cl.get('ci'))} | {_f(vs.get('closure'), '{:+.3f}')}{_ci(vs.get('closure_ci'), '{:+.3f}')} "
                 f"| {_f(vs.get('accuracy') and 100 * vs['accuracy'], '{:+.1f}')}{_ci(vs.get('accuracy_ci') and [100 * x for x in vs['accuracy_ci']], '{:+.1f}')} "
                 f"| {r['kv_rows']:.0f} | {r['kv_mib']:.1f} | {_f(r['ttft_s'], '{:.2f}')} | {_f(r['train_min'], '{:.1f}')} |")
@@ -384,7 +418,7 @@ def markdown(result: dict) -> str:
         for r in c["rows"]:
             if (r.get("vs_rag_half") or {}).get("closure") is not None:
                 h = r["vs_rag_half"]
-                lines += [f"`fleet_rag` at {r['budget']} against `rag` at {r['budget'] // 2} (its chunks alone), paired: "
+                lines += [f"{arm_label(r, code=True)} at {r['budget']} against `rag` at {r['budget'] // 2} (its chunks alone), paired: "
                           f"closure {h['closure']:+.3f}{_ci(h['closure_ci'], '{:+.3f}')}, accuracy "
                           f"{100 * h['accuracy']:+.1f}{_ci([100 * x for x in h['accuracy_ci']], '{:+.1f}')} points.", ""]
     lines += ["### Mean over the long corpora", "", "| budget | arm | corpora | closure | accuracy | vs `rag`, closure |",

@@ -88,3 +88,31 @@ def test_fleet_rag_is_paired_against_rag_at_half_its_budget(tmp_path):
     assert rows[(1024, "fleet_rag")]["vs_rag"]["closure"] == pytest.approx(statistics.mean([0.5, -0.5, 1.0]) / gap)
     assert "vs_rag_half" not in rows[(1024, "rag")]
     assert "`fleet_rag` at 1024 against `rag` at 512 (its chunks alone), paired: closure +0.125" in lt.markdown(result)
+
+
+def test_an_arm_on_two_seeds_enters_the_table_as_its_seed_mean(tmp_path):
+    """Each seed keeps its row; the seed mean averages each question's gold NLL over the seeds, and the
+    mean over corpora counts that mean once, not each seed."""
+    out = tmp_path / "long"
+    out.mkdir()
+    recs = [record("c", 0, "bare", [5.0, 6.0, 4.0], [0, 0, 1]), record("c", 0, "icl_oracle", [3.0, 2.0, 2.0], [1, 1, 1]),
+            record("c", 512, "rag", [3.0, 4.0, 2.5], [1, 0, 1]),
+            record("c", 512, "fleet_iso", [4.0, 5.0, 3.0], [0, 1, 1], seed=7),
+            record("c", 512, "fleet_iso", [5.0, 4.0, 4.0], [1, 1, 0], seed=8)]
+    with (out / "c.jsonl").open("w") as f:
+        for r in recs:
+            f.write(json.dumps({**r, "version": lt.VERSION}) + "\n")
+    result = lt.table(out)
+    rows = {(r["arm"], r["seed"]): r for r in result["corpora"]["c"]["rows"]}
+    assert {("fleet_iso", 7), ("fleet_iso", 8), ("fleet_iso", "mean")} <= rows.keys()
+    gap = statistics.mean([2.0, 4.0, 2.0])
+    mean_nll = [4.5, 4.5, 3.5]
+    pooled = rows[("fleet_iso", "mean")]
+    assert pooled["closure"]["value"] == pytest.approx((5.0 - statistics.mean(mean_nll)) / gap)
+    assert pooled["accuracy"] == pytest.approx(statistics.mean([0.5, 1.0, 0.5]))
+    assert pooled["vs_rag"]["closure"] == pytest.approx(statistics.mean([3.0 - 4.5, 4.0 - 4.5, 2.5 - 3.5]) / gap)
+    (cell,) = [m for m in result["mean"] if m["arm"] == "fleet_iso"]
+    assert cell["corpora"] == 1 and cell["closure"] == pytest.approx(pooled["closure"]["value"])
+    text = lt.markdown(result)
+    assert "| 512 | fleet_iso, seed 7 |" in text and "| 512 | fleet_iso, mean of 2 seeds |" in text
+    assert "| 512 | rag |" in text
