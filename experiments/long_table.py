@@ -315,8 +315,8 @@ def minutes(record: dict, records: Sequence[dict]) -> float | None:
 def seed_mean(records: Sequence[dict]) -> dict:
     """One arm's seeds as one record: each question's gold NLL and correctness averaged over the seeds,
     so that its closure and paired differences carry the seeds' spread into the question-level mean."""
-    lines = set.intersection(*({q["line"] for q in r["questions"]} for r in records))
     by_seed = [{q["line"]: q for q in r["questions"]} for r in records]
+    lines = set.intersection(*(set(b) for b in by_seed))
     questions = [{**by_seed[0][k], "gold_nll": statistics.mean(float(b[k]["gold_nll"]) for b in by_seed),
                   "correct": statistics.mean(float(b[k]["correct"]) for b in by_seed)} for k in sorted(lines)]
     first = records[0]

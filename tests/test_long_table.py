@@ -19,6 +19,14 @@ def record(corpus: str, budget: int, arm: str, nll: list[float], correct: list[i
                           for i, (n, c) in enumerate(zip(nll, correct, strict=True))]}
 
 
+def write_records(path, records: list[dict]) -> None:
+    """Records as the runner appends them: one JSON line per finished point."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in records:
+            f.write(json.dumps({**r, "version": lt.VERSION}) + "\n")
+
+
 def test_points_put_references_first_then_each_budget_whole():
     got = lt.points(["c"], [512, 2048], ["bare", "icl_oracle", "rag", "cartridge"], [7])
     assert got == [("c", 0, "bare", 0), ("c", 0, "icl_oracle", 0), ("c", 512, "rag", 0), ("c", 512, "cartridge", 7),
@@ -72,13 +80,10 @@ def test_the_table_reads_the_records_and_a_rerun_skips_finished_points(tmp_path,
 def test_fleet_rag_is_paired_against_rag_at_half_its_budget(tmp_path):
     """fleet_rag's chunk half alone is `rag` at half the budget: the pair isolates the cartridge half."""
     out = tmp_path / "long"
-    out.mkdir()
     recs = [record("c", 0, "bare", [5.0, 6.0, 4.0], [0, 0, 1]), record("c", 0, "icl_oracle", [3.0, 2.0, 2.0], [1, 1, 1]),
             record("c", 512, "rag", [3.0, 4.0, 2.5], [1, 0, 1]), record("c", 1024, "rag", [3.5, 3.0, 3.0], [1, 1, 0]),
             record("c", 1024, "fleet_rag", [3.0, 3.5, 2.0], [1, 1, 1], seed=7)]
-    with (out / "c.jsonl").open("w") as f:
-        for r in recs:
-            f.write(json.dumps({**r, "version": lt.VERSION}) + "\n")
+    write_records(out / "c.jsonl", recs)
     result = lt.table(out)
     rows = {(r["budget"], r["arm"]): r for r in result["corpora"]["c"]["rows"]}
     gap = statistics.mean([2.0, 4.0, 2.0])
@@ -94,14 +99,11 @@ def test_an_arm_on_two_seeds_enters_the_table_as_its_seed_mean(tmp_path):
     """Each seed keeps its row; the seed mean averages each question's gold NLL over the seeds, and the
     mean over corpora counts that mean once, not each seed."""
     out = tmp_path / "long"
-    out.mkdir()
     recs = [record("c", 0, "bare", [5.0, 6.0, 4.0], [0, 0, 1]), record("c", 0, "icl_oracle", [3.0, 2.0, 2.0], [1, 1, 1]),
             record("c", 512, "rag", [3.0, 4.0, 2.5], [1, 0, 1]),
             record("c", 512, "fleet_iso", [4.0, 5.0, 3.0], [0, 1, 1], seed=7),
             record("c", 512, "fleet_iso", [5.0, 4.0, 4.0], [1, 1, 0], seed=8)]
-    with (out / "c.jsonl").open("w") as f:
-        for r in recs:
-            f.write(json.dumps({**r, "version": lt.VERSION}) + "\n")
+    write_records(out / "c.jsonl", recs)
     result = lt.table(out)
     rows = {(r["arm"], r["seed"]): r for r in result["corpora"]["c"]["rows"]}
     assert {("fleet_iso", 7), ("fleet_iso", 8), ("fleet_iso", "mean")} <= rows.keys()
