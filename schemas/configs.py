@@ -219,6 +219,9 @@ class SynthConfig(_Config):
     max_q: int = option(64, "token budget of bot A's message")
     max_a: int = option(160, "token budget of bot B's answer")
     temperature_a: float = option(0.6, "bot A's sampling temperature")
+    # Bot A's nucleus: SmolLM2's model card samples at temperature 0.2 with top-p 0.9; the
+    # quality lever table (docs/QUALITY.md) measures that setting against the default.
+    top_p_a: float = added(1.0, help="bot A's nucleus (top-p) cut; 1: off")
     gen_batch: int = option(64, "conversations generated in lockstep (per group and per synthesis shard)")
     seed: int = option(7, "seed of sampling")
     filter: bool = option(True, "drop conversations whose bot A or bot B message is degenerate")
@@ -262,6 +265,8 @@ class SynthConfig(_Config):
             raise _bad(self, "spec_b", "must be in [0, 16]")
         if not 0 < self.temperature_a <= 2:
             raise _bad(self, "temperature_a", "must be in (0, 2]")
+        if not 0 < self.top_p_a <= 1:
+            raise _bad(self, "top_p_a", "must be in (0, 1]")
         if self.seed < 0:
             raise _bad(self, "seed", "must be >= 0")
 
@@ -408,7 +413,7 @@ class FleetConfig(_Config):
     rag_chunks: int = option(8, "chunks retrieved per question (at least rag_docs)")
     # the sections' options the fleet command shows (cli/options.py)
     synth: SynthConfig = dataclasses.field(
-        default_factory=SynthConfig, metadata={"options": ("max_q", "max_a", "gen_batch", "temperature_a", "filter")})
+        default_factory=SynthConfig, metadata={"options": ("max_q", "max_a", "gen_batch", "temperature_a", "top_p_a", "filter")})
     teacher: TeacherConfig = dataclasses.field(default_factory=TeacherConfig,
                                                metadata={"options": ("top_k", "top_mass")})
     ingest: IngestConfig = dataclasses.field(default_factory=IngestConfig, metadata={"options": ()})

@@ -138,7 +138,7 @@ def _turn(
         seed = int(chunk["rng_seed"]) if turn == 0 else keyed_seed(chunk["rng_seed"], "turn", turn)
         a_streams.append(Stream(
             prompt=bot_a_prompt(tok, ctx, chunk["seed_type"], focus), max_new=config.max_q,
-            temperature=config.temperature_a, seed=seed, stop_ids=stops,
+            temperature=config.temperature_a, top_p=config.top_p_a, seed=seed, stop_ids=stops,
         ))
     a_out = generate(lm.model, a_streams, batch_size=config.gen_batch, share_min=SHARE_MIN)
     if turn == 0:

@@ -297,3 +297,47 @@ def test_turns_out_of_range_are_refused_by_name():
     for bad in (0, 5):
         with pytest.raises(ValueError, match="turns"):
             SynthConfig(turns=bad)
+
+
+def test_bot_a_samples_inside_its_nucleus_and_a_one_token_nucleus_is_greedy(monkeypatch):
+    """top_p_a reaches bot A's streams (and only bot A's); cut to one token, conversations whose
+    sampling seeds differ ask the same greedy question, where the full distribution lets them differ."""
+    import torch
+
+    from schemas import SynthConfig
+    from stages import synthesize
+
+    lm = tiny_llama(torch.float64)
+    ids = lm.tokenizer("Gamma rays are short and fast.", add_special_tokens=False)["input_ids"]
+    chunks = [{"chunk_id": i, "doc_id": 0, "start": 0, "end": len(ids), "token_ids": ids, "seed_type": "question",
+               "split": "train", "rng_seed": 1000 + i, "tokens": len(ids)} for i in range(6)]
+    top_ps: list[list[float]] = []
+    real_generate = synthesize.generate
+
+    def spy(model, streams, batch_size, progress=None, share_min=0):
+        top_ps.append([s.top_p for s in streams])
+        return real_generate(model, streams, batch_size=batch_size, progress=progress, share_min=share_min)
+
+    monkeypatch.setattr(synthesize, "generate", spy)
+
+    def questions(**changes) -> list[str]:
+        config = SynthConfig(max_q=8, max_a=2, filter=False, focus=False, temperature_a=2.0, **changes)
+        rows = synthesize.synthesize_group(lm, chunks, ["Gamma rays are short and fast."] * len(chunks), config)
+        return [r["question"] for r in rows]
+
+    narrow = questions(top_p_a=1e-9)
+    assert top_ps[0] == [1e-9] * len(chunks) and top_ps[1] == [1.0] * len(chunks)  # bot A, then bot B
+    assert len(set(narrow)) == 1
+    wide = questions()
+    assert top_ps[2] == [1.0] * len(chunks)
+    assert len(set(wide)) > 1
+
+
+def test_a_nucleus_outside_zero_to_one_is_refused_by_name():
+    import pytest
+
+    from schemas import ConfigError, SynthConfig
+
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ConfigError, match="top_p_a"):
+            SynthConfig(top_p_a=bad)
