@@ -51,6 +51,7 @@ TRAINED = ("cartridge", "fleet_iso", "fleet_iso_oracle", "fleet_mixed", "fleet_m
 CHUNKS = ("rag_c32", "rag_c64", "rag_c256")  # BM25 retrieval at other chunk sizes than the eval's 128
 ARMS = REFERENCES + PEERS + TRAINED + CHUNKS
 PRODUCT_NAME = {"icl_oracle": "icl", "icl_truncated": "first"}  # the eval's names for the same computations
+CONVERSATIONS = 256  # a trained arm's self-study conversations unless --conversations says otherwise
 FLEET = {"budget": 4, "rotate_every": 10, "accum": 8, "lr": 2e-2, "warmup": 8, "heldout": 4, "rag_docs": K,
          "synth": {"gen_batch": 8}}
 VERSION = 1
@@ -325,11 +326,16 @@ def seed_mean(records: Sequence[dict]) -> dict:
             "ttft_s": statistics.mean(t) if (t := [r["ttft_s"] for r in records if r["ttft_s"] is not None]) else None}
 
 
+def variant(record: dict) -> tuple:
+    """What makes an arm's row other than its seed: its budget, its name and its conversations."""
+    return record["budget"], record["arm"], record["conversations"]
+
+
 def with_seed_means(records: list[dict]) -> list[dict]:
-    """The records, plus a seed-mean record for each (budget, arm) that ran on more than one seed."""
+    """The records, plus a seed-mean record for each variant that ran on more than one seed."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["budget"], r["arm"]), []).append(r)
+        groups.setdefault(variant(r), []).append(r)
     return records + [seed_mean(sorted(g, key=lambda r: r["seed"])) for g in groups.values() if len(g) > 1]
 
 
@@ -347,10 +353,11 @@ def table(out: Path) -> dict:
         bare, ceiling = ref.get("bare"), ref.get("icl_oracle")
         rag_at = {r["budget"]: r for r in records if r["arm"] == "rag"}
         rows = []
-        seeds = Counter((r["budget"], r["arm"]) for r in records if r["seed"] != "mean")
-        for r in sorted(records, key=lambda r: (r["budget"], ARMS.index(r["arm"]), str(r["seed"]))):
+        seeds = Counter(variant(r) for r in records if r["seed"] != "mean")
+        at = {(*variant(r), r["seed"]): r for r in records}
+        for r in sorted(records, key=lambda r: (r["budget"], ARMS.index(r["arm"]), r["conversations"], str(r["seed"]))):
             row = {"budget": r["budget"], "arm": r["arm"], "seed": r["seed"], "conversations": r["conversations"],
-                   "seeds_of_arm": seeds[(r["budget"], r["arm"])],
+                   "seeds_of_arm": seeds[variant(r)],
                    "accuracy": r["accuracy"], "accuracy_ci": accuracy_ci(r), "kv_rows": r["kv_rows"],
                    "kv_mib": r["kv_bytes"] / 2**20, "ttft_s": r["ttft_s"], "train_min": minutes(r, records)}
             if bare and ceiling:
@@ -359,6 +366,9 @@ def table(out: Path) -> dict:
                     row["vs_rag"] = paired(r, rag_at[r["budget"]], bare, ceiling)
                 if r["arm"] == "fleet_rag" and r["budget"] // 2 in rag_at:  # its chunks alone: the cartridge half's share
                     row["vs_rag_half"] = paired(r, rag_at[r["budget"] // 2], bare, ceiling)
+                base = at.get((r["budget"], r["arm"], CONVERSATIONS, r["seed"]))
+                if r["conversations"] not in (0, CONVERSATIONS) and base:  # more (or fewer) conversations, same seed
+                    row["vs_base_conversations"] = paired(r, base, bare, ceiling)
             rows.append(row)
         corpora[name] = {"questions": len(records[0]["questions"]), "rows": rows}
     return {"corpora": corpora, "mean": _means(corpora)}
@@ -372,11 +382,11 @@ def _means(corpora: dict) -> list[dict]:
             continue
         for row in c["rows"]:
             if row["seeds_of_arm"] == 1 or row["seed"] == "mean":
-                cells.setdefault((row["budget"], row["arm"]), []).append(row)
+                cells.setdefault(variant(row), []).append(row)
     out = []
-    for (budget, arm), rows in sorted(cells.items(), key=lambda kv: (kv[0][0], ARMS.index(kv[0][1]))):
+    for (budget, arm, conversations), rows in sorted(cells.items(), key=lambda kv: (kv[0][0], ARMS.index(kv[0][1]), kv[0][2])):
         closures = [r["closure"]["value"] for r in rows if (r.get("closure") or {}).get("value") is not None]
-        out.append({"budget": budget, "arm": arm, "corpora": len(rows),
+        out.append({"budget": budget, "arm": arm, "conversations": conversations, "seeds_of_arm": 1, "corpora": len(rows),
                     "closure": statistics.mean(closures) if closures else None,
                     "accuracy": statistics.mean(r["accuracy"] for r in rows),
                     "vs_rag": (statistics.mean(r["vs_rag"]["closure"] for r in rows)
@@ -393,8 +403,11 @@ def _ci(ci, fmt: str = "{:.2f}") -> str:
 
 
 def arm_label(row: dict, code: bool = False) -> str:
-    """The arm's name, with its seed where the arm ran on several."""
+    """The arm's name, with its conversations where they are not the table's usual count, and its
+    seed where the arm ran on several."""
     name = f"`{row['arm']}`" if code else row["arm"]
+    if row["conversations"] not in (0, CONVERSATIONS):
+        name += f", {row['conversations']:,} conversations"
     if row["seeds_of_arm"] == 1:
         return name
     return f"{name}, mean of {row['seeds_of_arm']} seeds" if row["seed"] == "mean" else f"{name}, seed {row['seed']}"
@@ -416,15 +429,18 @@ def markdown(result: dict) -> str:
                 f"| {r['kv_rows']:.0f} | {r['kv_mib']:.1f} | {_f(r['ttft_s'], '{:.2f}')} | {_f(r['train_min'], '{:.1f}')} |")
         lines.append("")
         for r in c["rows"]:
-            if (r.get("vs_rag_half") or {}).get("closure") is not None:
-                h = r["vs_rag_half"]
-                lines += [f"{arm_label(r, code=True)} at {r['budget']} against `rag` at {r['budget'] // 2} (its chunks alone), paired: "
-                          f"closure {h['closure']:+.3f}{_ci(h['closure_ci'], '{:+.3f}')}, accuracy "
-                          f"{100 * h['accuracy']:+.1f}{_ci([100 * x for x in h['accuracy_ci']], '{:+.1f}')} points.", ""]
+            against = {"vs_rag_half": f"`rag` at {r['budget'] // 2} (its chunks alone)",
+                       "vs_base_conversations": f"the same arm and seed on {CONVERSATIONS} conversations"}
+            for key, what in against.items():
+                h = r.get(key) or {}
+                if h.get("closure") is not None:
+                    lines += [f"{arm_label(r, code=True)} at {r['budget']} against {what}, paired: "
+                              f"closure {h['closure']:+.3f}{_ci(h['closure_ci'], '{:+.3f}')}, accuracy "
+                              f"{100 * h['accuracy']:+.1f}{_ci([100 * x for x in h['accuracy_ci']], '{:+.1f}')} points.", ""]
     lines += ["### Mean over the long corpora", "", "| budget | arm | corpora | closure | accuracy | vs `rag`, closure |",
               "|---|---|---|---|---|---|"]
     for m in result["mean"]:
-        lines.append(f"| {m['budget'] or 'n/a'} | {m['arm']} | {m['corpora']} | {_f(m['closure'])} | "
+        lines.append(f"| {m['budget'] or 'n/a'} | {arm_label(m)} | {m['corpora']} | {_f(m['closure'])} | "
                      f"{100 * m['accuracy']:.1f}% | {_f(m['vs_rag'], '{:+.3f}')} |")
     return "\n".join(lines)
 
@@ -438,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     r.add_argument("--budgets", type=int, nargs="+", default=[512, 2048])
     r.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
     r.add_argument("--seeds", type=int, nargs="+", default=[7])
-    r.add_argument("--conversations", type=int, default=256,
+    r.add_argument("--conversations", type=int, default=CONVERSATIONS,
                    help="self-study conversations of a trained arm (a fleet's, over all its documents)")
     r.add_argument("--dtype", default="auto", help="training dtype (scoring is float32)")
     r.add_argument("--store", default=DEFAULT_STORE)

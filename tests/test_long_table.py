@@ -118,3 +118,29 @@ def test_an_arm_on_two_seeds_enters_the_table_as_its_seed_mean(tmp_path):
     text = lt.markdown(result)
     assert "| 512 | fleet_iso, seed 7 |" in text and "| 512 | fleet_iso, mean of 2 seeds |" in text
     assert "| 512 | rag |" in text
+
+
+def test_an_arm_on_more_conversations_is_its_own_row_paired_with_the_usual_count(tmp_path):
+    """A trained arm rerun on more conversations neither joins the usual count's seed mean nor its
+    mean over corpora; it is paired per question with the same arm and seed on the usual count."""
+    out = tmp_path / "long"
+    base = {**record("c", 512, "fleet_mixed", [4.0, 5.0, 3.0], [0, 1, 1], seed=7), "conversations": lt.CONVERSATIONS}
+    more = {**record("c", 512, "fleet_mixed", [3.5, 4.0, 3.0], [1, 1, 1], seed=7), "conversations": 512}
+    recs = [record("c", 0, "bare", [5.0, 6.0, 4.0], [0, 0, 1]), record("c", 0, "icl_oracle", [3.0, 2.0, 2.0], [1, 1, 1]),
+            record("c", 512, "rag", [3.0, 4.0, 2.5], [1, 0, 1]), base, more]
+    write_records(out / "c.jsonl", recs)
+    result = lt.table(out)
+    rows = {(r["arm"], r["conversations"], r["seed"]): r for r in result["corpora"]["c"]["rows"]}
+    assert set(rows) >= {("fleet_mixed", lt.CONVERSATIONS, 7), ("fleet_mixed", 512, 7)}
+    assert not any(seed == "mean" for _, _, seed in rows)
+    gap = statistics.mean([2.0, 4.0, 2.0])
+    diff = rows[("fleet_mixed", 512, 7)]["vs_base_conversations"]
+    assert diff["closure"] == pytest.approx(statistics.mean([0.5, 1.0, 0.0]) / gap)
+    assert diff["accuracy"] == pytest.approx(statistics.mean([1, 0, 0]))
+    assert "vs_base_conversations" not in rows[("fleet_mixed", lt.CONVERSATIONS, 7)]
+    cells = {(m["arm"], m["conversations"]): m for m in result["mean"]}
+    assert cells[("fleet_mixed", 512)]["closure"] == pytest.approx((5.0 - statistics.mean([3.5, 4.0, 3.0])) / gap)
+    assert cells[("fleet_mixed", lt.CONVERSATIONS)]["corpora"] == 1
+    text = lt.markdown(result)
+    assert "| 512 | fleet_mixed, 512 conversations |" in text and "| 512 | fleet_mixed |" in text
+    assert f"`fleet_mixed`, 512 conversations at 512 against the same arm and seed on {lt.CONVERSATIONS} conversations" in text
