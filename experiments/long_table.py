@@ -386,7 +386,8 @@ def _means(corpora: dict) -> list[dict]:
     out = []
     for (budget, arm, conversations), rows in sorted(cells.items(), key=lambda kv: (kv[0][0], ARMS.index(kv[0][1]), kv[0][2])):
         closures = [r["closure"]["value"] for r in rows if (r.get("closure") or {}).get("value") is not None]
-        out.append({"budget": budget, "arm": arm, "conversations": conversations, "seeds_of_arm": 1, "corpora": len(rows),
+        out.append({"budget": budget, "arm": arm, "conversations": conversations,
+                    "seeds_of_arm": 1, "corpora": len(rows),  # one row per variant: its label names no seed
                     "closure": statistics.mean(closures) if closures else None,
                     "accuracy": statistics.mean(r["accuracy"] for r in rows),
                     "vs_rag": (statistics.mean(r["vs_rag"]["closure"] for r in rows)
