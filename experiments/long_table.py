@@ -331,6 +331,12 @@ def variant(record: dict) -> tuple:
     return record["budget"], record["arm"], record["conversations"]
 
 
+def table_order(key: tuple) -> tuple:
+    """Where a variant's rows stand in a table: by budget, then the arms' order, then conversations."""
+    budget, arm, conversations = key
+    return budget, ARMS.index(arm), conversations
+
+
 def with_seed_means(records: list[dict]) -> list[dict]:
     """The records, plus a seed-mean record for each variant that ran on more than one seed."""
     groups: dict[tuple, list[dict]] = {}
@@ -355,7 +361,7 @@ def table(out: Path) -> dict:
         rows = []
         seeds = Counter(variant(r) for r in records if r["seed"] != "mean")
         at = {(*variant(r), r["seed"]): r for r in records}
-        for r in sorted(records, key=lambda r: (r["budget"], ARMS.index(r["arm"]), r["conversations"], str(r["seed"]))):
+        for r in sorted(records, key=lambda r: (*table_order(variant(r)), str(r["seed"]))):
             row = {"budget": r["budget"], "arm": r["arm"], "seed": r["seed"], "conversations": r["conversations"],
                    "seeds_of_arm": seeds[variant(r)],
                    "accuracy": r["accuracy"], "accuracy_ci": accuracy_ci(r), "kv_rows": r["kv_rows"],
@@ -384,7 +390,7 @@ def _means(corpora: dict) -> list[dict]:
             if row["seeds_of_arm"] == 1 or row["seed"] == "mean":
                 cells.setdefault(variant(row), []).append(row)
     out = []
-    for (budget, arm, conversations), rows in sorted(cells.items(), key=lambda kv: (kv[0][0], ARMS.index(kv[0][1]), kv[0][2])):
+    for (budget, arm, conversations), rows in sorted(cells.items(), key=lambda kv: table_order(kv[0])):
         closures = [r["closure"]["value"] for r in rows if (r.get("closure") or {}).get("value") is not None]
         out.append({"budget": budget, "arm": arm, "conversations": conversations,
                     "seeds_of_arm": 1, "corpora": len(rows),  # one row per variant: its label names no seed
