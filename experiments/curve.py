@@ -177,15 +177,26 @@ def point_dir(store: Path, doc: str, seed: int, n: int, dtype: str, extra: Seque
     return store / name
 
 
-def seed_from_default(directory: Path, default: Path) -> bool:
-    """Start a lever's point from a copy of the default point's store, so the stages its extra
-    arguments leave unchanged (ingest through synthesis and the teacher) are reused: a training
-    lever then costs training only. Stages are keyed by their config, so one the arguments do
-    change runs again. The default's cartridge is left behind; a store already there is kept."""
-    if directory.exists() or not (default / "catalog.duckdb").is_file():
+def seed_store(directory: Path, source: Path) -> bool:
+    """Start a point from a copy of another point's store. For a lever (the default point's
+    store) the stages its extra arguments leave unchanged (ingest through synthesis and the
+    teacher) are reused: a training lever then costs training only. For more conversations (a
+    smaller point's store) synthesis takes over the smaller point's conversations, the first of
+    its own plan. Stages are keyed by their config, so what differs runs again. The source's
+    cartridge is left behind; a store already there is kept."""
+    if directory.exists() or not (source / "catalog.duckdb").is_file():
         return False
-    shutil.copytree(default, directory, ignore=shutil.ignore_patterns("cartridge.safetensors"))
+    shutil.copytree(source, directory, ignore=shutil.ignore_patterns("cartridge.safetensors"))
     return True
+
+
+def smaller_point(store: Path, doc: str, seed: int, n: int, dtype: str, extra: Sequence[str]) -> Path | None:
+    """The store of this configuration's largest point below `n` conversations, if one exists."""
+    head, tail = f"{doc}-s{seed}-n", point_dir(store, doc, seed, 0, dtype, extra).name.removeprefix(f"{doc}-s{seed}-n0")
+    pattern = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + "$")
+    found = [(int(m.group(1)), d) for d in store.glob(f"{head}*") if (m := pattern.match(d.name))
+             and int(m.group(1)) < n and (d / "catalog.duckdb").is_file()]
+    return max(found)[1] if found else None
 
 
 def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str]) -> list[str]:
@@ -251,8 +262,13 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             continue
         directory = point_dir(store, name, seed, n, dtype, extra)
         default = point_dir(store, name, seed, n, dtype, reuse_of)
-        if reuse_default and list(extra) != list(reuse_of) and seed_from_default(directory, default):
-            log(f"curve: {label}: store copied from {default}")
+        seeded = None
+        if reuse_default and list(extra) != list(reuse_of) and seed_store(directory, default):
+            seeded = default
+        elif (smaller := smaller_point(store, name, seed, n, dtype, extra)) and seed_store(directory, smaller):
+            seeded = smaller
+        if seeded:
+            log(f"curve: {label}: store copied from {seeded}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
         start = time.perf_counter()
         code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra))
@@ -286,6 +302,8 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
         record = make_record(name, seed, n, dtype, eval_dtype, extra, train, evaluation, train_wall, eval_wall,
                              directory, extra_eval)
         record["gold_nll_by_line"] = per_question(record, store / "eval-store")
+        if seeded:
+            record["store_seeded_from"] = str(seeded)  # its train wall leaves out what the copy held
         append_record(out, record)
         done.add(key)
         ran.append(label)

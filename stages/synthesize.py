@@ -45,8 +45,9 @@ from stages.fanout import report_resumed_shards
 from stages.job import Job
 from stages.progress import progress as progress_bar
 from stages.teacher import usable
-from storage import StageContext, StageResult
+from storage import StageContext, StageResult, StoreError, canonical_json, sha256_bytes
 from storage.faults import fault_point
+from storage.shards import done_shards, read_shard
 
 NAME = "synthesize"
 VERSION = 3
@@ -218,6 +219,36 @@ def synth_shard(job: dict) -> int:
     return len(rows)
 
 
+def _group_key(rows: list[dict]) -> str:
+    return sha256_bytes(canonical_json(rows).encode())
+
+
+def take_earlier_shards(ctx: StageContext, plan: list[dict], size: int) -> int:
+    """Copy in the shards that an earlier synthesis in this store already wrote for the same
+    documents, code, config and model from the same planned chunks; returns their conversations.
+    Chunk plans are prefix-stable, so raising `--conversations` synthesizes only the new ones."""
+    done = ctx.done_shards()
+    wanted = {_group_key(plan[start : start + size]): shard
+              for shard, start in enumerate(range(0, len(plan), size)) if shard not in done}
+    if not wanted:
+        return 0
+    documents = ctx.inputs[0].fingerprint
+    taken = 0
+    for other, (docs, chunks) in ctx.store.siblings(ctx.artifact, VERSION):
+        if docs.fingerprint != documents or not wanted:
+            continue
+        try:
+            earlier = ctx.read(chunks).to_pylist()
+            for index, path in done_shards(ctx.store.dir(other)).items():
+                shard = wanted.pop(_group_key(earlier[index * size : (index + 1) * size]), None)
+                if shard is not None:
+                    ctx.write_shard(shard, read_shard(path, TABLES["conversations"]))
+                    taken += len(plan[shard * size : (shard + 1) * size])
+        except StoreError as e:  # a damaged earlier run: its shards are computed again
+            print(f"warning: synthesize: not reusing an earlier run's shards: {e}", flush=True)
+    return taken
+
+
 def run(job: Job, config: SynthConfig, documents, chunks) -> StageResult:
     """Conversations for every planned chunk, sharded by `gen_batch`; the job's fanout sends shards
     to workers. The progress bar counts the planned conversations, those of shards an earlier run
@@ -234,10 +265,14 @@ def _run(job: Job, config: SynthConfig, documents, chunks, progress: Callable[[i
         names = {d["doc_id"]: d["name"] for d in docs}
         whole = document_contexts(docs, config, lm.context_length) if config.teacher_context == "document" else None
         plan = ctx.read(chunks).to_pylist()
-        done = ctx.done_shards()
         size = config.gen_batch
+        taken = take_earlier_shards(ctx, plan, size)
+        done = ctx.done_shards()
         jobs = []
         report_resumed_shards(progress, fanout, plan, size, done)
+        if taken:
+            print(f"synthesize: {taken} of {len(plan)} conversations taken from earlier runs in this store",
+                  flush=True)
         for shard, start in enumerate(range(0, len(plan), size)):
             if shard in done:
                 continue

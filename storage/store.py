@@ -28,7 +28,7 @@ from storage import shards
 from storage.atomic import atomic_path, atomic_write_bytes
 from storage.catalog import Artifact, Catalog
 from storage.errors import StoreError
-from storage.fingerprint import fingerprint
+from storage.fingerprint import canonical_json, fingerprint
 from storage.sql import STAGE_TABLES
 
 HOME_ENV = "CARTRIDGES_HOME"
@@ -162,6 +162,25 @@ class Store:
                 e.add_note(f"(could not record the failure in the catalog: {record_error})")
             raise
         return StageResult(self.catalog.complete(art.id, rows, nbytes), skipped=False)
+
+    def siblings(self, artifact: Artifact | StageResult, code_version: int) -> list[tuple[Artifact, list[Artifact]]]:
+        """Other artifacts of the same stage, code and config, each with its inputs: runs whose
+        inputs differ, so a stage can take over the parts of their output that its own inputs
+        would produce again. The code version is proven by recomputing each fingerprint."""
+        art = _artifact(artifact)
+        config = canonical_json(art.config)
+        found = []
+        for other in self.catalog.artifacts(art.stage):
+            if other.id == art.id or canonical_json(other.config) != config or (other.error or "").startswith(CORRUPT):
+                continue
+            inputs = [self.catalog.get(i) for i in other.inputs]
+            if any(i is None for i in inputs):
+                continue
+            if fingerprint(art.stage, code_version, other.config, [i.fingerprint for i in inputs]) != other.fingerprint:
+                continue
+            if self.dir(other).is_dir():
+                found.append((other, inputs))
+        return found
 
     def verify(self, artifact: Artifact | StageResult) -> str | None:
         """Why a complete artifact's files cannot be reused (None: they can).

@@ -114,13 +114,32 @@ def test_a_lever_point_can_start_from_a_copy_of_the_default_points_store(tmp_pat
     assert not (lever / "cartridge.safetensors").exists()  # the lever trains its own
     # a store the lever already has (a resumed lever) is kept as it is
     (lever / "catalog.duckdb").write_bytes(b"lever's own")
-    assert not curve.seed_from_default(lever, default)
+    assert not curve.seed_store(lever, default)
     assert (lever / "catalog.duckdb").read_bytes() == b"lever's own"
     # without the flag, or without a default store, a lever starts empty
     other = FakeRunner()
     curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra=["--lr", "1e-2"], runner=other)
     assert not Path(other.calls[0][other.calls[0].index("--store") + 1]).exists()
-    assert not curve.seed_from_default(tmp_path / "new", tmp_path / "missing")
+    assert not curve.seed_store(tmp_path / "new", tmp_path / "missing")
+
+
+def test_a_point_on_more_conversations_starts_from_the_largest_smaller_points_store(tmp_path):
+    """Synthesis takes over a smaller point's conversations (the first of its plan), so a larger
+    point starts from a copy of the largest smaller store of the same dtype and arguments."""
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+    for n, extra in ((4, ["--p", "256"]), (8, ["--p", "256"]), (12, ["--p", "512"]), (32, ["--p", "256"])):
+        directory = curve.point_dir(store, "raft", 7, n, "float32", extra)
+        directory.mkdir(parents=True)
+        (directory / "catalog.duckdb").write_text(f"n{n} {extra[1]}")
+    runner = FakeRunner()
+    curve.run_curve(["raft"], [7], [16], "float32", out, store, extra=["--p", "256"], runner=runner)
+    point = Path(runner.calls[0][runner.calls[0].index("--store") + 1])
+    assert point == curve.point_dir(store, "raft", 7, 16, "float32", ["--p", "256"])
+    assert (point / "catalog.duckdb").read_text() == "n8 256"  # not n4, nor n12's other p, nor n32 above
+    (record,) = curve.read_records(out)
+    assert record["store_seeded_from"] == str(curve.point_dir(store, "raft", 7, 8, "float32", ["--p", "256"]))
+    assert curve.smaller_point(store, "raft", 7, 4, "float32", ["--p", "256"]) is None
+    assert curve.smaller_point(store, "raft", 7, 16, "bfloat16", ["--p", "256"]) is None
 
 
 def test_a_failed_train_is_not_recorded_and_a_cut_line_is_survived(tmp_path):

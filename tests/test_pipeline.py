@@ -121,6 +121,26 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     assert updates["self-study"] == [8, 2]
 
 
+def test_more_conversations_synthesize_only_the_new_ones_and_equal_a_fresh_run(tmp_path, corpus, monkeypatch):
+    """Raising the conversations keeps the plan's earlier chunks, so the shards an earlier run of the
+    same config wrote are taken over (the training half and the held-out shard); the result equals a
+    synthesis from scratch. Another config takes nothing."""
+    lm, store = tiny_llama(), Store(tmp_path / "store")
+    run_pipeline(store, lm, [corpus], smoke())  # 8 + 2 held out, shards of 4
+    more = preset("smoke", {"chunks": {"conversations": 16}, "synth": {"filter": False}})
+    _, updates = _record_bars(monkeypatch)
+    run_pipeline(store, lm, [corpus], more)
+    assert updates["self-study"] == [10, 4, 4]  # shards 0, 1 and the held-out one taken over, then 2 and 3
+    fresh = Store(tmp_path / "fresh")
+    run_pipeline(fresh, lm, [corpus], more)
+    taken, made = (s.table(s.latest("synthesize")).sort_by("conv_id").to_pylist() for s in (store, fresh))
+    assert len(taken) == 18 and taken == made
+    hotter = preset("smoke", {"chunks": {"conversations": 16}, "synth": {"filter": False, "temperature_a": 0.9}})
+    _, updates = _record_bars(monkeypatch)
+    run_pipeline(store, lm, [corpus], hotter)
+    assert updates["self-study"] == [4, 4, 4, 4, 2]
+
+
 def _record_bars(monkeypatch) -> tuple[dict, dict]:
     """The stages' progress bars by name, and the sizes of the updates each was given."""
     import contextlib

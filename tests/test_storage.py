@@ -180,6 +180,24 @@ def test_failed_run_keeps_done_shards_and_resumes(tmp_path: Path) -> None:
     assert (result.finished_at - result.started_at).total_seconds() >= 0
 
 
+def test_siblings_are_the_same_stage_code_and_config_over_other_inputs(tmp_path: Path) -> None:
+    """A stage may take over parts of another run's output only when that run's fingerprint,
+    recomputed with this code version, matches: same stage, code and config, other inputs."""
+    store = Store(tmp_path)
+
+    def write(value: float):
+        return lambda ctx: ctx.write_shard(0, _evals(value))
+
+    a, b = (store.run("eval", 1, {"value": v}, [], write(v)) for v in (1.0, 2.0))
+    one = store.run("eval", 1, {"k": 1}, [a], write(3.0))
+    two = store.run("eval", 1, {"k": 1}, [b], write(4.0))
+    store.run("eval", 1, {"k": 2}, [b], write(5.0))  # another config
+    assert [(s.id, [i.id for i in inputs]) for s, inputs in store.siblings(two, 1)] == [(one.id, [a.id])]
+    assert store.siblings(two, 2) == []  # the others were written by another code version
+    shutil.rmtree(store.dir(one))
+    assert store.siblings(two, 1) == []  # a sibling without its files offers nothing
+
+
 def test_stage_shards_are_validated_against_the_stage_table(tmp_path: Path) -> None:
     store = Store(tmp_path)
 
