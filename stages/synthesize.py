@@ -227,16 +227,17 @@ def take_earlier_shards(ctx: StageContext, plan: list[dict], size: int) -> int:
     """Copy in the shards that an earlier synthesis in this store already wrote for the same
     documents, code, config and model from the same planned chunks; returns their conversations.
     Chunk plans are prefix-stable, so raising `--conversations` synthesizes only the new ones."""
-    done = ctx.done_shards()
-    wanted = {_group_key(plan[start : start + size]): shard
-              for shard, start in enumerate(range(0, len(plan), size)) if shard not in done}
-    if not wanted:
-        return 0
     documents = ctx.inputs[0].fingerprint
+    earlier_runs = [(other, chunks) for other, (docs, chunks) in ctx.store.siblings(ctx.artifact, VERSION)
+                    if docs.fingerprint == documents]
+    done = ctx.done_shards()
+    wanted = {} if not earlier_runs else {  # the plan is hashed only when there is a run to take from
+        _group_key(plan[start : start + size]): shard
+        for shard, start in enumerate(range(0, len(plan), size)) if shard not in done}
     taken = 0
-    for other, (docs, chunks) in ctx.store.siblings(ctx.artifact, VERSION):
-        if docs.fingerprint != documents or not wanted:
-            continue
+    for other, chunks in earlier_runs:
+        if not wanted:
+            break
         try:
             earlier = ctx.read(chunks).to_pylist()
             for index, path in done_shards(ctx.store.dir(other)).items():
