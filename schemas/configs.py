@@ -34,6 +34,7 @@ def _bad(cfg: object, name: str, why: str) -> ConfigError:
 
 
 _ADDED = "added"
+_SAME = "same_artifact"
 
 
 def option(default: Any, help: str, **how: Any) -> Any:
@@ -52,11 +53,12 @@ def added(default: Any, before: Any = None, **how: Any) -> Any:
 
 
 def _option(help: str, *, choices: tuple[str, ...] | None = None, flag: str | None = None,
-            ablation: bool = False) -> dict[str, Any]:
+            ablation: bool = False, same_artifact: bool = False) -> dict[str, Any]:
     """An option's metadata. `choices`: the values a string takes; `flag`: a name other than the
     field's; `ablation`: only quality experiments (experiments/LAB.md) set it, so the flag parses
-    but stays out of `--help`, and the field stays settable in config dicts and presets."""
-    return {"help": help, "choices": choices, "flag": flag, "ablation": ablation}
+    but stays out of `--help`, and the field stays settable in config dicts and presets;
+    `same_artifact`: it sets how the work runs, not what it makes (see `fingerprint_dict`)."""
+    return {"help": help, "choices": choices, "flag": flag, "ablation": ablation, _SAME: same_artifact}
 
 
 class _Config:
@@ -85,6 +87,16 @@ class _Config:
             if f.metadata.get(_ADDED) and value == f.metadata["before"]:
                 continue
             out[f.name] = _jsonable(value)
+        return out
+
+    def fingerprint_dict(self) -> dict[str, Any]:
+        """`to_dict` with each `same_artifact` field at its default: a rerun that only changes one
+        (say, to checkpoint a long training that the first run did not) reuses or resumes the
+        artifact instead of starting a new one."""
+        out = self.to_dict()
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.metadata.get(_SAME) and f.name in out:
+                out[f.name] = _jsonable(f.default)
         return out
 
     @classmethod
@@ -307,7 +319,7 @@ class TrainConfig(_Config):
     pack: bool = option(True, "train a group's conversations in one packed forward/backward")
     checkpoint: bool = option(False, "recompute activations in the backward (less memory, more time)")
     draft_ref: bool = added(False, help="embed the corpus token ids in the cartridge file (drafts for serve --spec)")
-    save_every: int = option(0, "write a training checkpoint every N steps (0: never)")
+    save_every: int = option(0, "write a training checkpoint every N steps (0: never)", same_artifact=True)
     seed: int = option(7, "seed of the training order")
 
     def validate(self) -> None:

@@ -170,7 +170,7 @@ def _run(job: Job, config: TrainConfig, documents, conversations, targets,
         steps = pa.Table.from_pylist(result["log"], schema=TABLES["train_steps"])
         ctx.write_shard(0, validate_table("train_steps", steps))
 
-    cfg = {**config.to_dict(), "model": job.model_id or ""}
+    cfg = {**config.fingerprint_dict(), "model": job.model_id or ""}
     return store.run(NAME, VERSION, cfg, [documents, conversations, targets], work, force=job.forced(NAME),
                      run_id=run_id)
 

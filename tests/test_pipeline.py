@@ -206,6 +206,31 @@ def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, co
     assert resumed["losses"] == ref["losses"]
 
 
+def test_a_rerun_that_only_changes_save_every_resumes_the_same_training(tmp_path, corpus, monkeypatch):
+    """How often training checkpoints does not change the cartridge, so it stays out of the
+    fingerprint: a long training started without checkpoints can be rerun with them (and the
+    reverse) and the rerun resumes the same artifact instead of starting another."""
+    import torch
+
+    from cartridges.core.files import load_cartridge
+
+    lm = tiny_llama()
+    ref = run_pipeline(Store(tmp_path / "clean"), lm, [corpus], smoke())
+    store = Store(tmp_path / "store")
+    monkeypatch.setenv("CARTRIDGES_FAULT", "train.step.2:raise")
+    with pytest.raises(InjectedFault):
+        run_pipeline(store, lm, [corpus], smoke(save_every=1))
+    # Resuming from the checkpoint after step 2 never runs step 0 again; a new training would.
+    monkeypatch.setenv("CARTRIDGES_FAULT", "train.step.0:raise")
+    resumed = run_pipeline(store, lm, [corpus], smoke())
+    monkeypatch.delenv("CARTRIDGES_FAULT")
+    a, b = load_cartridge(ref["cartridge"]), load_cartridge(resumed["cartridge"])
+    for x, y in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(x, y)
+    assert resumed["losses"] == ref["losses"]
+    assert "train" in run_pipeline(store, lm, [corpus], smoke(save_every=3))["skipped"]
+
+
 def test_flow_through_prefect_then_sql_returns_the_conversations(tmp_path, corpus, tiny_model_dir, capsys):
     from cli.main import main
 
