@@ -56,9 +56,14 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
         # (a task run's context does not serialize), so the pieces are tasks of the flow run.
         flow_context = contextvars.copy_context()
 
-        def submit_all(fn, jobs):
+        def submit_all(fn, jobs, done=None):
             piece = task(fn, name=fn.__name__, cache_policy=NONE, persist_result=False)
             futures = flow_context.copy().run(lambda: [runner.submit(piece, {"job": job}) for job in jobs])
-            return [f.result() for f in futures]
+            results = []
+            for job, future in zip(jobs, futures, strict=True):  # in order: workers take jobs in order too
+                results.append(future.result())
+                if done:
+                    done(job)
+            return results
 
         yield Fanout(map=submit_all, model=WorkerModel(model, device, torch.get_num_threads(), dtype))

@@ -1,8 +1,9 @@
 """Independent pieces of a stage (shards, documents) sent to other processes.
 
-A stage that can fan out takes a `Fanout`: a `map(fn, jobs)` that runs `fn(job)` for
-every job somewhere (the flow passes one backed by Dask workers) and returns the
-results in order, plus the model reference the workers load. Jobs carry only plain
+A stage that can fan out takes a `Fanout`: a `map(fn, jobs, done)` that runs `fn(job)`
+for every job somewhere (the flow passes one backed by Dask workers), calls `done(job)`
+as each result comes back (the stage's progress bar) and returns the results in order,
+plus the model reference the workers load. Jobs carry only plain
 data (configs as dicts, rows, paths); a worker loads the model once per process,
 with the flow's thread count, computes, and writes its own output files (Parquet
 shards, cartridge files) under the store root, which may be a shared filesystem.
@@ -15,13 +16,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from cartridges.core.models import LoadedModel, load_model
 
-Map = Callable[[Callable[[Any], Any], list[Any]], list[Any]]
+
+class Map(Protocol):
+    def __call__(self, fn: Callable[[Any], Any], jobs: list[Any],
+                 done: Callable[[Any], None] | None = None) -> list[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -41,12 +45,12 @@ class Fanout:
 
 
 def report_resumed_shards(
-    progress: Callable[[int], None] | None, fanout: Fanout | None, items: Sequence, size: int, done: Iterable[int],
+    progress: Callable[[int], None] | None, items: Sequence, size: int, done: Iterable[int],
 ) -> None:
-    """Tell an in-process progress bar the `items` (in shards of `size`) that an earlier run finished,
-    in one update, so that a rate counted from it leaves them out."""
+    """Tell a progress bar the `items` (in shards of `size`) that an earlier run finished, in one
+    update, so that a rate counted from it leaves them out."""
     resumed = sum(len(items[shard * size : (shard + 1) * size]) for shard in done)
-    if progress and fanout is None and resumed:
+    if progress and resumed:
         progress(resumed)
 
 

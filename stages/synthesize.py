@@ -270,7 +270,7 @@ def _run(job: Job, config: SynthConfig, documents, chunks, progress: Callable[[i
         taken = take_earlier_shards(ctx, plan, size)
         done = ctx.done_shards()
         jobs = []
-        report_resumed_shards(progress, fanout, plan, size, done)
+        report_resumed_shards(progress, plan, size, done)
         if taken:
             print(f"synthesize: {taken} of {len(plan)} conversations taken from earlier runs in this store",
                   flush=True)
@@ -291,7 +291,7 @@ def _run(job: Job, config: SynthConfig, documents, chunks, progress: Callable[[i
             if progress:
                 progress(len(group))
         if jobs:
-            fanout.map(synth_shard, jobs)
+            fanout.map(synth_shard, jobs, lambda job: progress and progress(len(job["chunks"])))
 
     cfg = {**config.to_dict(), "model": job.model_id or ""}
     return store.run(NAME, VERSION, cfg, [documents, chunks], work, force=job.forced(NAME), run_id=job.run_id)

@@ -113,7 +113,7 @@ def _run(job: Job, config: TeacherConfig, conversations, progress: Callable[[int
         done = ctx.done_shards()
         jobs = []
         vocab = _vocab(lm)
-        report_resumed_shards(progress, fanout, convs, SHARD, done)
+        report_resumed_shards(progress, convs, SHARD, done)
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
             needs_forward = not all(kept(c, config.top_k, vocab) for c in group)
@@ -126,10 +126,10 @@ def _run(job: Job, config: TeacherConfig, conversations, progress: Callable[[int
                 rows = target_rows(lm, group, config)
                 ctx.write_shard(shard, validate_table("targets", pa.Table.from_pylist(rows, schema=TABLES["targets"])))
                 fault_point(f"teacher.shard.{shard}")
-            if progress and fanout is None and shard not in done:
-                progress(len(group))
+                if progress:
+                    progress(len(group))
         if jobs:
-            fanout.map(teacher_shard, jobs)
+            fanout.map(teacher_shard, jobs, lambda job: progress and progress(len(job["conversations"])))
 
     cfg = {**config.to_dict(), "model": job.model_id or ""}
     return store.run(NAME, VERSION, cfg, [conversations], work, force=job.forced(NAME), run_id=job.run_id)

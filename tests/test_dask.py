@@ -29,8 +29,9 @@ def table(store_root, stage):
 
 
 def test_synthesis_and_teacher_shards_on_two_dask_workers_equal_the_in_process_run(
-        tmp_path, tiny_model_dir, cluster):
+        tmp_path, tiny_model_dir, cluster, monkeypatch):
     from flows.cartridge import cartridge_flow
+    from tests.test_pipeline import _record_bars
 
     corpus = tmp_path / "corpus.md"
     corpus.write_text(CORPUS)
@@ -38,8 +39,12 @@ def test_synthesis_and_teacher_shards_on_two_dask_workers_equal_the_in_process_r
               "config": {"synth": {"filter": False, "gen_batch": 4}}}
     local = run_pipeline(Store(tmp_path / "local"), load_model(str(tiny_model_dir)), [corpus],
                          preset("smoke", common["config"]))
+    bars, updates = _record_bars(monkeypatch)
     spread = cartridge_flow(**common, store_root=str(tmp_path / "dask"), task_runner="dask",
                             dask_address=cluster.scheduler_address)
+    # the bars move as the workers' shards come back, not only at the end
+    assert updates["self-study"] == [4, 4, 2] and bars["self-study"].n == bars["self-study"].total == 10
+    assert sum(updates["teacher"]) == bars["teacher"].n == bars["teacher"].total == 10
     convs = table(tmp_path / "local", "synthesize")
     assert len(convs) == 10
     store = Store(tmp_path / "dask")
