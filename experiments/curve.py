@@ -11,7 +11,7 @@ order of increasing conversations, so the cheap end of the curve lands first.
     python -m experiments.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
         [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"]
-        [--reuse-default-store] [--json]
+        [--run-args "--task-runner dask --save-every 200"] [--reuse-default-store] [--json]
     python -m experiments.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
     python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
@@ -199,10 +199,11 @@ def smaller_point(store: Path, doc: str, seed: int, n: int, dtype: str, extra: S
     return max(found)[1] if found else None
 
 
-def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str]) -> list[str]:
+def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str],
+               run_args: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "cli.main", "train", "--corpus", str(doc_path(doc)), "--conversations", str(n),
             "--seed", str(seed), "--dtype", dtype, "--store", str(directory),
-            "--save", str(directory / "cartridge.safetensors"), *extra, "--json"]
+            "--save", str(directory / "cartridge.safetensors"), *extra, *run_args, "--json"]
 
 
 def eval_argv(qa: Path, doc: str, cartridge: str, eval_store: Path, dtype: str, peers: bool,
@@ -245,8 +246,10 @@ def plan(docs: Iterable[str], seeds: Iterable[int], conversations: Iterable[int]
 def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence[int], dtype: str, out: Path,
               store: Path, extra: Sequence[str] = (), eval_dtype: str = "float32", qa: Path = EVAL_DIR / "questions.jsonl",
               peers: bool = False, extra_eval: Sequence[str] = (), runner: Runner = run_command,
-              reuse_default: bool = False, reuse_of: Sequence[str] = ()) -> dict:
+              reuse_default: bool = False, reuse_of: Sequence[str] = (), run_args: Sequence[str] = ()) -> dict:
     """Run every point not yet in `out`; returns what ran, what was skipped and what failed.
+    `run_args`: train options that change how a point runs, not what it makes (`--task-runner
+    dask`, `--save-every N`); they stay out of the point's key and store name.
     `reuse_default`: a point with extra train arguments starts from the store of the point whose
     train arguments are `reuse_of` (the default point's when empty)."""
     done = {point_key(r) for r in read_records(out)}
@@ -271,7 +274,7 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             log(f"curve: {label}: store copied from {seeded}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
         start = time.perf_counter()
-        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra))
+        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra, run_args))
         train_wall = time.perf_counter() - start
         try:
             train = last_json(stdout)
@@ -715,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default=DEFAULT_STORE)
     p.add_argument("--extra-train-args", default="", help="further `cartridges train` options, one string")
     p.add_argument("--extra-eval-args", default="", help="further `cartridges eval` options, one string")
+    p.add_argument("--run-args", default="",
+                   help="`cartridges train` options that change how a point runs, not what it makes "
+                        "(\"--task-runner dask --save-every 200\"); not part of the point's key")
     p.add_argument("--reuse-default-store", action="store_true",
                    help="start each point with extra train args from a copy of the default point's store "
                         "(its synthesis and teacher are reused where the arguments leave them unchanged)")
@@ -783,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
                             Path(args.store).resolve(), shlex.split(args.extra_train_args), args.eval_dtype,
                             Path(args.qa).resolve(), args.peers, shlex.split(args.extra_eval_args),
                             reuse_default=args.reuse_default_store or args.reuse_store_of is not None,
-                            reuse_of=shlex.split(args.reuse_store_of or ""))
+                            reuse_of=shlex.split(args.reuse_store_of or ""), run_args=shlex.split(args.run_args))
         log(f"curve: {len(summary['ran'])} ran, {len(summary['skipped'])} skipped, {len(summary['failed'])} failed "
             f"of {summary['points']} points; results in {summary['out']}")
         if args.json:

@@ -46,10 +46,14 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
         return
     from prefect_dask import DaskTaskRunner
 
+    threads = torch.get_num_threads()
     if dask_address:
         runner = DaskTaskRunner(address=dask_address)
     else:
-        runner = DaskTaskRunner(cluster_kwargs={"n_workers": dask_workers or 2, "threads_per_worker": 1,
+        workers = dask_workers or 2
+        # The local workers share this machine's cores: split the flow's threads between them.
+        threads = max(1, threads // workers)
+        runner = DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1,
                                                 "processes": True, "dashboard_address": None})
     with _api_for_workers(), runner:
         # Stages call `map` from inside their own task run; submit in the flow's context instead
@@ -66,4 +70,4 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
                     done(job)
             return results
 
-        yield Fanout(map=submit_all, model=WorkerModel(model, device, torch.get_num_threads(), dtype))
+        yield Fanout(map=submit_all, model=WorkerModel(model, device, threads, dtype))

@@ -95,6 +95,12 @@ def test_run_skips_finished_points_and_runs_the_rest_in_order_of_n(tmp_path):
     summary = curve.run_curve(["raft"], [7], [8], "bfloat16", out, store, extra_eval=["--max-new", "8"], runner=other)
     assert summary["ran"] == ["raft seed 7 n 8"]
     assert "--max-new" not in other.calls[0] and other.calls[1][-3:] == ["--max-new", "8", "--json"]
+    # run arguments reach the train command only and leave the point's key alone
+    how = FakeRunner()
+    summary = curve.run_curve(["raft"], [7], [32], "bfloat16", out, store, run_args=["--save-every", "50"], runner=how)
+    assert how.calls[0][-3:] == ["--save-every", "50", "--json"] and "--save-every" not in how.calls[1]
+    assert curve.run_curve(["raft"], [7], [32], "bfloat16", out, store, runner=FakeRunner())["skipped"] == [
+        "raft seed 7 n 32"]
 
 
 def test_a_lever_point_can_start_from_a_copy_of_the_default_points_store(tmp_path):

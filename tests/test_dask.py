@@ -69,3 +69,39 @@ def test_document_initialization_on_dask_workers_writes_the_same_cartridges(tmp_
 
     local = contents_of(tmp_path / "local")
     assert contents_of(tmp_path / "dask") == local and len(local) == 6
+
+
+def test_local_workers_split_the_flows_threads_and_a_remote_cluster_keeps_them(monkeypatch):
+    """Two local workers each with the flow's whole thread count would oversubscribe its cores."""
+    import contextlib
+
+    import prefect_dask
+    import torch
+
+    from flows import runners
+
+    made = []
+
+    class Runner:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(prefect_dask, "DaskTaskRunner", Runner)
+    monkeypatch.setattr(runners, "_api_for_workers", contextlib.nullcontext)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with runners.fanout("dask", dask_workers=2) as local:
+            assert local.model.threads == 2 and made[-1]["cluster_kwargs"]["n_workers"] == 2
+        with runners.fanout("dask", dask_workers=8) as many:
+            assert many.model.threads == 1
+        with runners.fanout("dask", dask_address="tcp://elsewhere:8786") as remote:
+            assert remote.model.threads == 4 and made[-1] == {"address": "tcp://elsewhere:8786"}
+    finally:
+        torch.set_num_threads(before)
