@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from cartridges.core.models import LoadedModel, load_model
+from stages.progress import Bar
 
 
 class Map(Protocol):
@@ -44,14 +45,11 @@ class Fanout:
     model: WorkerModel
 
 
-def report_resumed_shards(
-    progress: Callable[[int], None] | None, items: Sequence, size: int, done: Iterable[int],
-) -> None:
-    """Tell a progress bar the `items` (in shards of `size`) that an earlier run finished, in one
-    update, so that a rate counted from it leaves them out."""
+def report_resumed_shards(bar: Bar | None, items: Sequence, size: int, done: Iterable[int]) -> None:
+    """Tell a progress bar the `items` (in shards of `size`) that an earlier run finished."""
     resumed = sum(len(items[shard * size : (shard + 1) * size]) for shard in done)
-    if progress and resumed:
-        progress(resumed)
+    if bar is not None and resumed:
+        bar.resume(resumed)
 
 
 _MODELS: dict[tuple, LoadedModel] = {}

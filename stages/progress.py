@@ -21,6 +21,17 @@ HEARTBEAT_S = 30.0
 LOG_FORMAT = "{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed} elapsed, {remaining} left, {rate_fmt}{postfix}]"
 
 
+class Bar(tqdm):
+    def resume(self, n: int) -> None:
+        """Count `n` units that an earlier run finished: they fill the bar but stay out of its
+        rate and time left (tqdm's `initial`), which would otherwise promise a resumed stage
+        the end in seconds."""
+        self.initial += n
+        self.n += n
+        self.last_print_n += n
+        self.refresh()
+
+
 class _Lines:
     """A stream for tqdm that turns each status redraw into its own line."""
 
@@ -40,14 +51,14 @@ class _Lines:
 
 @contextlib.contextmanager
 def progress(total: int | None, desc: str, unit: str, out: IO[str] | None = None,
-             heartbeat: float = HEARTBEAT_S) -> Iterator[tqdm]:
+             heartbeat: float = HEARTBEAT_S) -> Iterator[Bar]:
     """A bar for `total` units of work (None when unknown); `.update(n)` as units finish."""
     out = out or sys.stderr
     if out.isatty():
-        with tqdm(total=total, desc=desc, unit=unit, file=out, leave=False) as bar:
+        with Bar(total=total, desc=desc, unit=unit, file=out, leave=False) as bar:
             yield bar
         return
-    bar = tqdm(total=total, desc=desc, unit=unit, file=_Lines(out), mininterval=heartbeat,
+    bar = Bar(total=total, desc=desc, unit=unit, file=_Lines(out), mininterval=heartbeat,
                bar_format=LOG_FORMAT, dynamic_ncols=False)
     stop = threading.Event()
 

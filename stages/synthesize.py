@@ -20,8 +20,6 @@ finished shards and generates only the rest.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pyarrow as pa
 
 from cartridges.core.batch import Stream
@@ -43,6 +41,7 @@ from cartridges.selfstudy.spans import keyed_seed
 from schemas import TABLES, SynthConfig, validate_table
 from stages.fanout import report_resumed_shards
 from stages.job import Job
+from stages.progress import Bar
 from stages.progress import progress as progress_bar
 from stages.teacher import usable
 from storage import StageContext, StageResult, StoreError, canonical_json, sha256_bytes
@@ -255,11 +254,12 @@ def run(job: Job, config: SynthConfig, documents, chunks) -> StageResult:
     to workers. The progress bar counts the planned conversations, those of shards an earlier run
     finished first, so it ends full on a resumed run too."""
     with progress_bar(chunks.rows, "self-study", "conv") as bar:
-        return _run(job, config, documents, chunks, bar.update)
+        return _run(job, config, documents, chunks, bar)
 
 
-def _run(job: Job, config: SynthConfig, documents, chunks, progress: Callable[[int], None]) -> StageResult:
+def _run(job: Job, config: SynthConfig, documents, chunks, bar: Bar | None) -> StageResult:
     store, lm, fanout = job.store, job.model, job.fanout
+    progress = bar.update if bar is not None else None
 
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
@@ -270,7 +270,7 @@ def _run(job: Job, config: SynthConfig, documents, chunks, progress: Callable[[i
         taken = take_earlier_shards(ctx, plan, size)
         done = ctx.done_shards()
         jobs = []
-        report_resumed_shards(progress, plan, size, done)
+        report_resumed_shards(bar, plan, size, done)
         if taken:
             print(f"synthesize: {taken} of {len(plan)} conversations taken from earlier runs in this store",
                   flush=True)

@@ -12,8 +12,6 @@ the chunk's system turn), which is where the training stage reads them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pyarrow as pa
 import torch
 
@@ -23,6 +21,7 @@ from cartridges.core.targets import cut_at_mass, teacher_targets
 from schemas import TABLES, TeacherConfig, validate_table
 from stages.fanout import report_resumed_shards
 from stages.job import Job
+from stages.progress import Bar
 from stages.progress import progress as progress_bar
 from storage import StageContext, StageResult
 from storage.faults import fault_point
@@ -101,11 +100,12 @@ def run(job: Job, config: TeacherConfig, conversations) -> StageResult:
     columns = ["teacher_ids", "answer_start", "a_ok", "b_ok"]
     answered = sum(usable(c, filtered) for c in job.store.table(conversations).select(columns).to_pylist())
     with progress_bar(answered, "teacher", "conv") as bar:
-        return _run(job, config, conversations, bar.update)
+        return _run(job, config, conversations, bar)
 
 
-def _run(job: Job, config: TeacherConfig, conversations, progress: Callable[[int], None]) -> StageResult:
+def _run(job: Job, config: TeacherConfig, conversations, bar: Bar | None) -> StageResult:
     store, lm, fanout = job.store, job.model, job.fanout
+    progress = bar.update if bar is not None else None
 
     def work(ctx: StageContext) -> None:
         filtered = bool(conversations.config.get("filter", True))
@@ -113,7 +113,7 @@ def _run(job: Job, config: TeacherConfig, conversations, progress: Callable[[int
         done = ctx.done_shards()
         jobs = []
         vocab = _vocab(lm)
-        report_resumed_shards(progress, convs, SHARD, done)
+        report_resumed_shards(bar, convs, SHARD, done)
         for shard, start in enumerate(range(0, len(convs), SHARD)):
             group = convs[start : start + SHARD]
             needs_forward = not all(kept(c, config.top_k, vocab) for c in group)

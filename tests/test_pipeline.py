@@ -116,9 +116,9 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
     convs = store.table(store.latest("synthesize")).column("conv_id").to_pylist()
     plan = store.table(store.latest("chunks")).column("chunk_id").to_pylist()
     assert sorted(convs) == sorted(plan) and len(set(convs)) == len(convs) == 10
-    # the resumed run's bar counts the shards found done (two of three, in one update) and the rest
+    # the resumed run's bar counts the shards found done (two of three) as resumed, then the rest
     assert (bars["self-study"].n, bars["self-study"].total) == (10, 10)
-    assert updates["self-study"] == [8, 2]
+    assert bars["self-study"].initial == 8 and updates["self-study"] == [2]
 
 
 def test_more_conversations_synthesize_only_the_new_ones_and_equal_a_fresh_run(tmp_path, corpus, monkeypatch):
@@ -128,17 +128,18 @@ def test_more_conversations_synthesize_only_the_new_ones_and_equal_a_fresh_run(t
     lm, store = tiny_llama(), Store(tmp_path / "store")
     run_pipeline(store, lm, [corpus], smoke())  # 8 + 2 held out, shards of 4
     more = preset("smoke", {"chunks": {"conversations": 16}, "synth": {"filter": False}})
-    _, updates = _record_bars(monkeypatch)
+    bars, updates = _record_bars(monkeypatch)
     run_pipeline(store, lm, [corpus], more)
-    assert updates["self-study"] == [10, 4, 4]  # shards 0, 1 and the held-out one taken over, then 2 and 3
+    # shards 0, 1 and the held-out one taken over, then 2 and 3
+    assert bars["self-study"].initial == 10 and updates["self-study"] == [4, 4]
     fresh = Store(tmp_path / "fresh")
     run_pipeline(fresh, lm, [corpus], more)
     taken, made = (s.table(s.latest("synthesize")).sort_by("conv_id").to_pylist() for s in (store, fresh))
     assert len(taken) == 18 and taken == made
     hotter = preset("smoke", {"chunks": {"conversations": 16}, "synth": {"filter": False, "temperature_a": 0.9}})
-    _, updates = _record_bars(monkeypatch)
+    bars, updates = _record_bars(monkeypatch)
     run_pipeline(store, lm, [corpus], hotter)
-    assert updates["self-study"] == [4, 4, 4, 4, 2]
+    assert bars["self-study"].initial == 0 and updates["self-study"] == [4, 4, 4, 4, 2]
 
 
 def _record_bars(monkeypatch) -> tuple[dict, dict]:
@@ -165,7 +166,7 @@ def _record_bars(monkeypatch) -> tuple[dict, dict]:
     return bars, updates
 
 
-def test_resumed_teacher_reports_its_finished_shards_in_one_update(tmp_path, corpus, monkeypatch):
+def test_resumed_teacher_counts_its_finished_shards_as_resumed(tmp_path, corpus, monkeypatch):
     from stages import teacher
 
     lm, store = tiny_llama(), Store(tmp_path / "store")
@@ -174,11 +175,11 @@ def test_resumed_teacher_reports_its_finished_shards_in_one_update(tmp_path, cor
     with pytest.raises(InjectedFault):
         run_pipeline(store, lm, [corpus], smoke())
     monkeypatch.delenv("CARTRIDGES_FAULT")
-    _, updates = _record_bars(monkeypatch)
+    bars, updates = _record_bars(monkeypatch)
     run_pipeline(store, lm, [corpus], smoke())
     targets = set(store.table(store.latest("teacher")).column("conv_id").to_pylist())
-    assert len(targets) == sum(updates["teacher"]) == 10  # training and held-out conversations
-    assert updates["teacher"] == [4, 2, 2, 2]  # shards 0 and 1 found done, then 2, 3 and 4
+    assert len(targets) == bars["teacher"].n == 10  # training and held-out conversations
+    assert bars["teacher"].initial == 4 and updates["teacher"] == [2, 2, 2]  # shards 0, 1 done; then 2, 3, 4
 
 
 @pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}])

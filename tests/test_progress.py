@@ -65,3 +65,14 @@ def test_a_terminal_gets_one_redrawn_bar():
         bar.update(5)
     drawn = out.getvalue()
     assert "\r" in drawn and "0/5" in drawn and "\n" not in drawn  # redrawn in place, then cleared
+
+
+def test_resumed_units_fill_the_bar_but_stay_out_of_its_rate_and_time_left():
+    out = io.StringIO()
+    with progress(100, "self-study", "conv", out=out, heartbeat=60) as bar:
+        bar.resume(90)  # an earlier run's shards
+        bar.update(5)
+        bar.start_t -= 10  # ten seconds for the five conversations this run made
+        line = str(bar)
+    assert line.startswith("self-study: 95/100 conv [")
+    assert "2.00s/conv" in line and "00:10 left" in line  # counted from 5 units, not 95
