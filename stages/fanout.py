@@ -5,7 +5,7 @@ for every job somewhere (the flow passes one backed by Dask workers), calls `don
 as each result comes back (the stage's progress bar) and returns the results in order,
 plus the model reference the workers load. Jobs carry only plain
 data (configs as dicts, rows, paths); a worker loads the model once per process,
-with the flow's thread count, computes, and writes its own output files (Parquet
+with the thread count the flow gives it (a share of its own on a local cluster), computes, and writes its own output files (Parquet
 shards, cartridge files) under the store root, which may be a shared filesystem.
 Workers never open the catalog: the stage's `store.run` in the flow process records
 the artifact once every shard is written. Nothing here knows about Prefect or Dask.
