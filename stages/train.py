@@ -152,6 +152,8 @@ def run(job: Job, config: TrainConfig, documents, conversations, targets) -> Sta
     with progress_bar(None, "train", "step") as bar:
         def on_step(row: dict) -> None:
             bar.total = row["of"]
+            if bar.n < row["step"]:  # resumed from a checkpoint: the earlier steps count as done
+                bar.resume(row["step"] - bar.n)
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)  # drawn with the next line
         return _run(job, config, documents, conversations, targets, on_step)

@@ -197,7 +197,10 @@ def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, co
     with pytest.raises(InjectedFault):
         run_pipeline(crashed, lm, [corpus], smoke(save_every=1, **schedule))
     monkeypatch.delenv("CARTRIDGES_FAULT")
+    bars, _ = _record_bars(monkeypatch)
     resumed = run_pipeline(crashed, lm, [corpus], smoke(save_every=1, **schedule))
+    # the bar starts at the checkpoint (steps 0-2 done; the fault came after step 2's checkpoint)
+    assert bars["train"].initial == 3 and bars["train"].n == bars["train"].total
     cfg = smoke(**schedule).train
     rates = crashed.table(crashed.latest("train")).column("lr").to_pylist()
     assert rates == [lr_at(i, len(rates), cfg.lr, cfg.schedule, cfg.warmup) for i in range(len(rates))]
