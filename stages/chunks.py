@@ -210,7 +210,7 @@ def run(job: Job, config: ChunkConfig, documents: Artifact | StageResult) -> Sta
     store, tokenizer = job.store, job.tokenizer
     docs = _columns(store, documents, ["doc_id", "tokens"])
     planned = plan_spans([(d["doc_id"], d["tokens"]) for d in docs], config)
-    fp_config = {**config.to_dict(), "tokenizer": job.model_id or tokenizer_identity(tokenizer)}
+    fp_config = {**config.fingerprint_dict(), "tokenizer": job.model_id or tokenizer_identity(tokenizer)}
 
     def work(ctx: StageContext) -> None:
         done = ctx.done_shards()

@@ -45,10 +45,10 @@ class Fanout:
     model: WorkerModel
 
 
-def report_resumed_shards(bar: Bar | None, items: Sequence, size: int, done: Iterable[int]) -> None:
+def report_resumed_shards(bar: Bar, items: Sequence, size: int, done: Iterable[int]) -> None:
     """Tell a progress bar the `items` (in shards of `size`) that an earlier run finished."""
     resumed = sum(len(items[shard * size : (shard + 1) * size]) for shard in done)
-    if bar is not None and resumed:
+    if resumed:
         bar.resume(resumed)
 
 

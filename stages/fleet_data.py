@@ -68,7 +68,7 @@ def round_data(store: Store, lm: LoadedModel, plan: RoundPlan, doc: dict, config
         fault_point(f"fleet.round_data.{plan.round}")
 
     cfg = {"round": plan.round, "document": doc["name"], "sha256": doc["sha256"], "chunks": _spec(list(plan.chunks)),
-           "synth": config.synth.to_dict(), "teacher": config.teacher.to_dict(), "model": model_id}
+           "synth": config.synth.fingerprint_dict(), "teacher": config.teacher.fingerprint_dict(), "model": model_id}
     return store.run(ROUND, VERSION, cfg, [], work, run_id=run_id)
 
 
@@ -81,7 +81,7 @@ def heldout_data(store: Store, lm: LoadedModel, doc: dict, config: FleetConfig, 
         _conversations(ctx, lm, chunk_rows(chunks, doc["token_ids"], "heldout"), doc, config.synth, config.teacher)
 
     cfg = {"document": doc["name"], "sha256": doc["sha256"], "chunks": _spec(chunks),
-           "synth": config.synth.to_dict(), "teacher": config.teacher.to_dict(), "model": model_id}
+           "synth": config.synth.fingerprint_dict(), "teacher": config.teacher.fingerprint_dict(), "model": model_id}
     return store.run(HELDOUT, VERSION, cfg, [], work, run_id=run_id)
 
 

@@ -257,9 +257,8 @@ def run(job: Job, config: SynthConfig, documents, chunks) -> StageResult:
         return _run(job, config, documents, chunks, bar)
 
 
-def _run(job: Job, config: SynthConfig, documents, chunks, bar: Bar | None) -> StageResult:
+def _run(job: Job, config: SynthConfig, documents, chunks, bar: Bar) -> StageResult:
     store, lm, fanout = job.store, job.model, job.fanout
-    progress = bar.update if bar is not None else None
 
     def work(ctx: StageContext) -> None:
         docs = ctx.read(documents).to_pylist()
@@ -288,10 +287,9 @@ def _run(job: Job, config: SynthConfig, documents, chunks, bar: Bar | None) -> S
             rows = synthesize_group(lm, group, contexts, config, answer_contexts)
             ctx.write_shard(shard, validate_table("conversations", pa.Table.from_pylist(rows, schema=TABLES["conversations"])))
             fault_point(f"synthesize.shard.{shard}")
-            if progress:
-                progress(len(group))
+            bar.update(len(group))
         if jobs:
-            fanout.map(synth_shard, jobs, lambda job: progress and progress(len(job["chunks"])))
+            fanout.map(synth_shard, jobs, lambda job: bar.update(len(job["chunks"])))
 
-    cfg = {**config.to_dict(), "model": job.model_id or ""}
+    cfg = {**config.fingerprint_dict(), "model": job.model_id or ""}
     return store.run(NAME, VERSION, cfg, [documents, chunks], work, force=job.forced(NAME), run_id=job.run_id)

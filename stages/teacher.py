@@ -103,9 +103,8 @@ def run(job: Job, config: TeacherConfig, conversations) -> StageResult:
         return _run(job, config, conversations, bar)
 
 
-def _run(job: Job, config: TeacherConfig, conversations, bar: Bar | None) -> StageResult:
+def _run(job: Job, config: TeacherConfig, conversations, bar: Bar) -> StageResult:
     store, lm, fanout = job.store, job.model, job.fanout
-    progress = bar.update if bar is not None else None
 
     def work(ctx: StageContext) -> None:
         filtered = bool(conversations.config.get("filter", True))
@@ -126,10 +125,9 @@ def _run(job: Job, config: TeacherConfig, conversations, bar: Bar | None) -> Sta
                 rows = target_rows(lm, group, config)
                 ctx.write_shard(shard, validate_table("targets", pa.Table.from_pylist(rows, schema=TABLES["targets"])))
                 fault_point(f"teacher.shard.{shard}")
-                if progress:
-                    progress(len(group))
+                bar.update(len(group))
         if jobs:
-            fanout.map(teacher_shard, jobs, lambda job: progress and progress(len(job["conversations"])))
+            fanout.map(teacher_shard, jobs, lambda job: bar.update(len(job["conversations"])))
 
-    cfg = {**config.to_dict(), "model": job.model_id or ""}
+    cfg = {**config.fingerprint_dict(), "model": job.model_id or ""}
     return store.run(NAME, VERSION, cfg, [conversations], work, force=job.forced(NAME), run_id=job.run_id)
