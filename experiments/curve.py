@@ -639,6 +639,7 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
     panels = (("icl_gap_closure", "acc_closure", "accuracy ICL-gap closure"),
@@ -664,6 +665,10 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
         ax.axhline(TARGET, color="tab:green", ls=":", lw=1, label=f"target {TARGET}")
         ax.axhline(0.0, color="grey", lw=0.8)
         ax.set_xscale("log")
+        # The budgets measured, as plain numbers: log-scale minor labels (3x10^3, 4x10^3) collide.
+        budgets = sorted({int(r["conversations_planned"]) for r in records})
+        ax.set_xticks(budgets, [f"{n:,}" for n in budgets])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("planned self-study conversations")
         ax.set_title(title)
         ax.grid(alpha=0.3, which="both")
