@@ -642,6 +642,8 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
     from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    # The budgets measured (one row each), as plain numbers: log-scale minor labels (3x10^3, 4x10^3) collide.
+    budgets = [r["conversations"] for r in rows]
     panels = (("icl_gap_closure", "acc_closure", "accuracy ICL-gap closure"),
               ("icl_gap_closure_nll", "nll_closure", "gold-option NLL ICL-gap closure"))
     for ax, (name, key, title) in zip(axes, panels, strict=True):
@@ -665,8 +667,6 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
         ax.axhline(TARGET, color="tab:green", ls=":", lw=1, label=f"target {TARGET}")
         ax.axhline(0.0, color="grey", lw=0.8)
         ax.set_xscale("log")
-        # The budgets measured, as plain numbers: log-scale minor labels (3x10^3, 4x10^3) collide.
-        budgets = sorted({int(r["conversations_planned"]) for r in records})
         ax.set_xticks(budgets, [f"{n:,}" for n in budgets])
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("planned self-study conversations")
