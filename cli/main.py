@@ -122,6 +122,10 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     store = Store(args.store)
     cfg = pipeline_config(args)
+    budgets = [f"budget.{name}" for name, value in cfg.budget.to_dict().items() if value is not None]
+    if budgets:  # budgets size a whole run from the corpus or the machine, before its first stage
+        raise CartridgeError(f"stage {args.name}: {', '.join(budgets)} sizes a whole run (`cartridges train`); "
+                             "give --p and --conversations to run one stage")
     step = stage(args.name)
     inputs = [store.latest(name) for name in step.inputs]
     missing = [name for name, art in zip(step.inputs, inputs, strict=True) if art is None]

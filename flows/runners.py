@@ -46,7 +46,7 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
         return
     from prefect_dask import DaskTaskRunner
 
-    threads = torch.get_num_threads()
+    threads, workers = torch.get_num_threads(), 1
     if dask_address:
         runner = DaskTaskRunner(address=dask_address)
     else:
@@ -70,4 +70,4 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
                     done(job)
             return results
 
-        yield Fanout(map=submit_all, model=WorkerModel(model, device, threads, dtype))
+        yield Fanout(map=submit_all, model=WorkerModel(model, device, threads, dtype), workers=workers)

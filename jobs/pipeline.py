@@ -9,6 +9,7 @@ chain; `run_pipeline` is the same run with plain calls.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shutil
 import time
@@ -19,7 +20,17 @@ from pathlib import Path
 from cartridges.core.health import health_fields
 from cartridges.core.models import LoadedModel
 from jobs import Call, plain
-from jobs.plan import corpus_tokens, estimate_seconds, plan_line, resolve
+from jobs.plan import (
+    Rates,
+    corpus_tokens,
+    estimate_seconds,
+    fit_minutes,
+    pilot_config,
+    pilot_key,
+    plan_line,
+    rates_line,
+    resolve,
+)
 from jobs.report import write_run_report
 from schemas import HealthConfig, PipelineConfig
 from stages import chunks, facts, train
@@ -31,13 +42,14 @@ from storage import StageResult, Store
 from storage.atomic import atomic_path
 
 NAME = "cartridge"
+PILOT = "pilot"
 
 
 class CartridgeRun:
     """One run of the cartridge job: the job every stage gets, and the artifacts made so far."""
 
-    def __init__(self, job: Job, config: PipelineConfig) -> None:
-        self.job, self.config = job, config
+    def __init__(self, job: Job, config: PipelineConfig, budget: dict | None = None) -> None:
+        self.job, self.config, self.budget = job, config, budget
         self.artifacts: dict[str, StageResult] = {}
         self.summary: dict = {}
 
@@ -56,12 +68,20 @@ def cartridge_run(
     """The catalog run around the stage calls made in the `with` body; on leaving it, the run's
     summary (in `.summary`) and report are written and the run is closed (failed on an error)."""
     tokens = corpus_tokens(lm.tokenizer, corpus)
-    config = resolve(config, tokens)
-    print(plan_line(config, tokens, estimate_seconds(store, lm.compute_id, config)), flush=True)
+    config, budget = resolve(config, tokens), None
+    if config.budget.minutes is None:
+        print(plan_line(config, tokens, estimate_seconds(store, lm.compute_id, config)), flush=True)
+    else:
+        rates, source = pilot_rates(store, lm, corpus, config, fanout)
+        config = fit_minutes(config, rates)
+        budget = {"minutes": config.budget.minutes, "estimate_seconds": rates.seconds(config),
+                  "rates": dataclasses.asdict(rates)}
+        print(rates_line(config, rates, source), flush=True)
+        print(plan_line(config, tokens, (rates.seconds(config), 1), "at the pilot's speeds"), flush=True)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):
-        run = CartridgeRun(Job(store, lm, tuple(corpus), run_id, frozenset(force), fanout), config)
+        run = CartridgeRun(Job(store, lm, tuple(corpus), run_id, frozenset(force), fanout), config, budget)
         yield run
         run.summary = finish(run, save, time.perf_counter() - started)
         status = "complete" if run.summary["health"] == "ok" else "failed"
@@ -82,6 +102,34 @@ def run_pipeline(
     return run.summary
 
 
+def pilot_rates(
+    store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig, fanout: Fanout | None,
+) -> tuple[Rates, str]:
+    """This machine's `Rates` for `config`: from this store's pilot run for the same config, model,
+    machine and corpus, or from a new one. The pilot runs in a scratch store under this one (so
+    its timings are never shortened by reused work) that is removed after; the catalog keeps its
+    rates, so a rerun (after a crash, say) sizes the run alike and resumes it."""
+    pilot = pilot_config(config, fanout.workers if fanout else 1)
+    key = pilot_key(pilot, lm.compute_id, corpus)
+    for run in reversed(store.catalog.runs()):
+        if run["flow"] == PILOT and run["status"] == "complete" and (run["summary"] or {}).get("key") == key:
+            return Rates(**run["summary"]["rates"]), f"speeds from pilot run {run['run_id']}"
+    scratch = store.root / PILOT / key
+    shutil.rmtree(scratch, ignore_errors=True)  # a crashed pilot's partial work would time short
+    print(f"budget: a pilot run of {pilot.chunks.conversations} conversations measures this machine's speeds",
+          flush=True)
+    run_id = store.catalog.start_run(PILOT)
+    with store.catalog.failing_run(run_id):
+        summary = run_pipeline(Store(scratch), lm, corpus, pilot, fanout=fanout)
+        rates = Rates.of(summary)
+        store.catalog.finish_run(run_id, "complete", {
+            "key": key, "rates": dataclasses.asdict(rates), "seconds": summary["seconds"],
+            "conversations": summary["planned_conversations"], "model_id": lm.compute_id,
+            "machine": platform.node()})
+    shutil.rmtree(scratch, ignore_errors=True)
+    return rates, f"speeds measured by pilot run {run_id}"
+
+
 def finish(run: CartridgeRun, save: str | Path | None, seconds: float) -> dict:
     """The run's summary and report, with the cartridge exported to `save` when given."""
     store, a = run.job.store, run.artifacts
@@ -91,6 +139,8 @@ def finish(run: CartridgeRun, save: str | Path | None, seconds: float) -> dict:
     summary.update(kind=NAME, run_id=run.job.run_id, seconds=seconds, **run.job.model.dtype_record(),
                    model_id=run.job.model_id, machine=platform.node(),
                    skipped=[x.stage for x in arts if x.skipped])
+    if run.budget:
+        summary["budget"] = run.budget
     cartridge = store.dir(a["train"]) / train.CARTRIDGE_FILE
     if save:
         cartridge = export(cartridge, Path(save))
@@ -137,6 +187,7 @@ def summarize(store: Store, docs, plan, convs, trained, health: HealthConfig) ->
         **health_fields(result["losses"], result["heldout_loss_before"], result["heldout_loss_after"], health),
         "conversations": used,
         "planned_conversations": plan.rows,
+        "conversation_rows": len(conv_rows),
         "a_ok_rate": sum(c["a_ok"] for c in conv_rows) / max(1, len(conv_rows)),
         "b_degenerate_rate": sum((c["a_ok"] and not c["b_ok"]) for c in conv_rows) / max(1, sum(c["a_ok"] for c in conv_rows)),
         "seed_types": by_seed,

@@ -1,21 +1,25 @@
 """The plan of a cartridge run, before the long work starts: rows, conversations, minutes.
 
 Budgets can follow the corpus (`budget.compression`: corpus tokens per row; `budget.coverage`:
-training spans over each token, on average). The estimate comes from this store's earlier runs
-of the same model on this machine (seconds per conversation of self-study and per training
-step, medians); with none, the plan says so rather than guess.
+training spans over each token, on average) or the machine (`budget.minutes`: as many
+conversations as fit, at the speeds a pilot run measured here; see `Rates`). The estimate
+comes from this store's earlier runs of the same model on this machine (seconds per
+conversation of self-study and per training step, medians); with none, the plan says so
+rather than guess.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import statistics
 from pathlib import Path
 
 from cartridges.core.corpus import expand, read_text
+from cartridges.core.errors import CartridgeError
 from schemas import PipelineConfig
-from storage import Store
+from storage import Store, canonical_json, sha256_bytes
 
 
 def corpus_tokens(tokenizer, corpus: list[str | Path]) -> int:
@@ -62,11 +66,79 @@ def estimate_seconds(store: Store, model_id: str, config: PipelineConfig) -> tup
     return total, min(len(per_conv), len(per_step))
 
 
-def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None, int]) -> str:
+def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None, int], basis: str | None = None) -> str:
+    """The plan; `basis` says where the estimate comes from when it is not earlier runs."""
     rows, convs = config.train.p, config.chunks.conversations
     seconds, runs = estimate
     turns = f" of {config.synth.turns} turns" if config.synth.turns > 1 else ""
-    minutes = (f"about {seconds / 60:.0f} min on this machine (from {runs} earlier run{'s' * (runs != 1)})"
+    basis = basis or f"from {runs} earlier run{'s' * (runs != 1)}"
+    minutes = (f"about {seconds / 60:.0f} min on this machine ({basis})"
                if seconds is not None else "no estimate yet (no earlier run of this model in this store)")
     return (f"plan: {tokens:,} corpus tokens -> {rows:,} rows ({tokens / rows:.1f}x fewer), "
             f"{convs:,} conversations{turns}, {steps_of(config):,} training steps; {minutes}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What a run costs on this machine, read off a finished run: seconds per conversation row
+    (self-study, grounding and teacher targets), per optimizer step, and the rest (ingest, chunk
+    plan, init, held-out scoring, export), which does not grow with the conversations."""
+
+    per_row: float
+    per_step: float
+    fixed: float
+
+    @classmethod
+    def of(cls, summary: dict) -> Rates:
+        seconds = {s["stage"]: s["seconds"] or 0.0 for s in summary["stages"]}
+        rows = summary["conversation_rows"]
+        per_row = sum(seconds[name] for name in ("synthesize", "facts", "teacher")) / rows
+        fixed = summary["seconds"] - per_row * rows - summary["train_seconds"]
+        return cls(per_row, summary["train_seconds"] / summary["steps"], max(0.0, fixed))
+
+    def seconds(self, config: PipelineConfig) -> float:
+        """The run of `config` at these rates (held-out conversations are synthesized too)."""
+        rows = (config.chunks.conversations + config.chunks.heldout) * config.synth.turns
+        return self.fixed + rows * self.per_row + steps_of(config) * self.per_step
+
+
+def pilot_config(config: PipelineConfig, workers: int = 1) -> PipelineConfig:
+    """The short run that measures `Rates` for `config`: one synthesis shard per worker (shards
+    run in lockstep batches, so a smaller pilot would time a smaller batch), one epoch."""
+    chunks = config.chunks.replace(conversations=config.synth.gen_batch * workers)
+    budget = config.budget.replace(minutes=None, coverage=None)
+    return config.replace(chunks=chunks, train=config.train.replace(epochs=1), budget=budget)
+
+
+def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) -> str:
+    """What a pilot's rates hold for: its config, the model and dtype, this machine, the corpus."""
+    texts = [read_text(p) for p in expand(corpus)]
+    return sha256_bytes(canonical_json({
+        "config": pilot.to_dict(), "model": model_id, "machine": platform.node(),
+        "corpus": [sha256_bytes(t.encode()) for t in texts]}).encode())[:16]
+
+
+def fit_minutes(config: PipelineConfig, rates: Rates) -> PipelineConfig:
+    """`chunks.conversations` set to the most that `budget.minutes` holds at `rates`; a budget
+    too short for one chunk's conversations is an error that says how long the least run takes."""
+    seconds = config.budget.minutes * 60
+    turns = config.synth.turns
+    per_conversation = turns * (rates.per_row + rates.per_step * config.train.epochs / config.train.accum)
+    room = seconds - rates.fixed - config.chunks.heldout * turns * rates.per_row
+    def sized(n: int) -> PipelineConfig:
+        return config.replace(chunks=config.chunks.replace(conversations=n))
+
+    n, least = int(room // per_conversation), config.chunks.per_chunk
+    while n >= least and rates.seconds(sized(n)) > seconds:  # the last step, rounded up, may not fit
+        n -= 1
+    if n < least:
+        raise CartridgeError(
+            f"budget.minutes={config.budget.minutes:g}: too short for this corpus on this machine; "
+            f"the least run ({least} conversations) takes about {math.ceil(rates.seconds(sized(least)) / 60)} min here")
+    return sized(n)
+
+
+def rates_line(config: PipelineConfig, rates: Rates, source: str) -> str:
+    return (f"budget: {config.budget.minutes:g} min -> {config.chunks.conversations:,} conversations at "
+            f"{rates.per_row:.2f} s per conversation, {rates.per_step:.2f} s per training step and "
+            f"{rates.fixed / 60:.1f} min of fixed work ({source})")

@@ -361,19 +361,23 @@ class HealthConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class BudgetConfig(_Config):
-    """Budgets that follow the corpus: set, they fix `train.p` and `chunks.conversations` from the
-    corpus's tokens before the run starts (the stages see, and fingerprint, the numbers)."""
+    """Budgets that follow the corpus or the machine: set, they fix `train.p` and
+    `chunks.conversations` before the run starts (the stages see, and fingerprint, the numbers)."""
 
     compression: float | None = option(None, "corpus tokens per cartridge row: sets --p from the corpus "
                                              "(10: ten times fewer rows than the corpus has tokens)")
     coverage: float | None = option(None, "training spans over each corpus token, on average: sets "
                                           "--conversations from the corpus (the summary's coverage mean)")
+    minutes: float | None = option(None, "wall-clock minutes for the run on this machine: sets --conversations "
+                                         "from speeds a short pilot run measures here (once per config)")
 
     def validate(self) -> None:
-        for name in ("compression", "coverage"):
+        for name in ("compression", "coverage", "minutes"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise _bad(self, name, "must be > 0")
+        if self.coverage is not None and self.minutes is not None:
+            raise _bad(self, "minutes", "both it and coverage set the conversations; give one")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,10 @@ PRESETS: dict[str, dict] = {
         # (16.7% against 25.0%, docs/QUALITY.md), so the demo keeps the corpus init.
         "train": {"p": 128, "lr": 5e-3, "epochs": 2, "init": "corpus"},
     },
-    # About 2 hours for a 2,500-token document on a 2-core CPU with the default 1,024 rows,
-    # past the budget where the 256-row curve's fit reaches 0.5 gold-NLL closure (docs/QUALITY.md).
-    "large": {"chunks": {"conversations": 4000, "heldout": 32}},
+    # As many conversations as two hours hold on the machine at hand (a pilot run measures its
+    # speeds): on a 2-core CPU about 2,500-4,000 for a 3,000-token document at 1,024 rows, where
+    # the 256-row curve's fit passes 0.5 gold-NLL closure (docs/QUALITY.md).
+    "large": {"chunks": {"heldout": 32}, "budget": {"minutes": 120}},
     # Seconds, for tests on tiny models.
     "smoke": {
         "chunks": {"conversations": 8, "heldout": 2, "chunk_min": 32, "chunk_max": 64},
@@ -36,7 +37,10 @@ def preset(name: str, overrides: dict | None = None) -> PipelineConfig:
     if name not in PRESETS:
         raise ConfigError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
     merged = {section: dict(values) for section, values in PRESETS[name].items()}
-    for section, values in (overrides or {}).items():
+    overrides = overrides or {}
+    if "conversations" in overrides.get("chunks", {}) and "minutes" not in overrides.get("budget", {}):
+        merged.get("budget", {}).pop("minutes", None)  # conversations given: the preset's time budget yields
+    for section, values in overrides.items():
         merged.setdefault(section, {}).update(values)
     return PipelineConfig.from_dict(merged)
 

@@ -43,6 +43,7 @@ class WorkerModel:
 class Fanout:
     map: Map
     model: WorkerModel
+    workers: int = 1  # how many jobs run at once (1 where the cluster's size is not known)
 
 
 def report_resumed_shards(bar: Bar, items: Sequence, size: int, done: Iterable[int]) -> None:

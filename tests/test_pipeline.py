@@ -274,6 +274,9 @@ def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpu
     stages = [a["stage"] for a in listed["artifacts"]]
     assert stages.count("chunks") == 2 and all(a["status"] == "complete" for a in listed["artifacts"])
     assert [r["status"] for r in listed["runs"]] == ["complete"]
+    capsys.readouterr()
+    assert main(["stage", "chunks", *common, "--minutes", "30"]) == 2  # a budget sizes a whole run
+    assert "stage chunks: budget.minutes sizes a whole run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["missing", "binary"])

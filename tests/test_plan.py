@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 
 import pytest
 
-from jobs.pipeline import run_pipeline
-from jobs.plan import corpus_tokens, estimate_seconds, plan_line, resolve, steps_of
+from cartridges.core.errors import CartridgeError
+from jobs.pipeline import pilot_rates, run_pipeline
+from jobs.plan import (
+    Rates,
+    corpus_tokens,
+    estimate_seconds,
+    fit_minutes,
+    plan_line,
+    resolve,
+    steps_of,
+)
 from schemas import PipelineConfig
 from schemas.configs import ConfigError
 from schemas.presets import preset
@@ -58,3 +69,52 @@ def test_a_multi_turn_run_trains_on_every_turn_and_plans_its_steps(tmp_path):
     summary = run_pipeline(store, lm, [corpus], two)
     train_planned = two.chunks.conversations  # held-out conversations come on top
     assert train_planned < summary["conversations"] <= 2 * train_planned
+
+
+def test_a_time_budget_takes_the_most_conversations_that_fit():
+    """fit_minutes against the run-time model it inverts: n fits the minutes, n + 1 does not."""
+    rates = Rates(per_row=1.5, per_step=2.3, fixed=200.0)
+    for turns, epochs in ((1, 2), (2, 1), (1, 5)):
+        cfg = PipelineConfig.from_dict({"budget": {"minutes": 120}, "synth": {"turns": turns},
+                                        "train": {"epochs": epochs}})
+        fitted = fit_minutes(cfg, rates)
+        n = fitted.chunks.conversations
+        more = fitted.replace(chunks=fitted.chunks.replace(conversations=n + 1))
+        assert rates.seconds(fitted) <= 120 * 60 < rates.seconds(more), (turns, epochs, n)
+    with pytest.raises(CartridgeError, match=r"budget.minutes=1: too short .* takes about \d+ min"):
+        fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 1}}), rates)
+    with pytest.raises(ConfigError, match="minutes"):
+        PipelineConfig.from_dict({"budget": {"minutes": 30, "coverage": 2}})
+
+
+def test_the_large_preset_is_a_time_budget_that_given_conversations_replace():
+    assert preset("large").budget.minutes == 120
+    given = preset("large", {"chunks": {"conversations": 500}})
+    assert given.budget.minutes is None and given.chunks.conversations == 500
+
+
+def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path, capsys):
+    corpus = tmp_path / "c.md"
+    corpus.write_text(CORPUS)
+    lm, store = tiny_llama(), Store(tmp_path / "s")
+    cfg = preset("smoke", {"synth": {"filter": False}, "budget": {"minutes": 0.5}})
+    rates, source = pilot_rates(store, lm, [corpus], cfg, None)
+    pilots = [r for r in store.catalog.runs() if r["flow"] == "pilot"]
+    assert len(pilots) == 1 and pilots[0]["status"] == "complete" and "measured by pilot run" in source
+    assert not (store.root / "pilot").exists() or not any((store.root / "pilot").iterdir())  # scratch removed
+    assert rates.per_row > 0 and rates.per_step > 0 and rates.fixed >= 0
+    assert pilots[0]["summary"]["conversations"] >= cfg.synth.gen_batch  # one shard, plus held-out ones
+
+    # the run sizes itself from the recorded pilot; give it speeds that make the size exact
+    slow = Rates(per_row=0.5, per_step=1.0, fixed=3.0)
+    with store.catalog._connect() as con:  # noqa: SLF001 - the test sets the speeds a pilot recorded
+        con.execute("UPDATE runs SET summary = ? WHERE run_id = ?",
+                    [json.dumps({**pilots[0]["summary"], "rates": dataclasses.asdict(slow)}), pilots[0]["run_id"]])
+    capsys.readouterr()
+    summary = run_pipeline(store, lm, [corpus], cfg)
+    fitted = fit_minutes(cfg, slow)
+    assert summary["budget"]["minutes"] == 0.5 and summary["budget"]["estimate_seconds"] == slow.seconds(fitted)
+    assert 0 < fitted.chunks.conversations < summary["planned_conversations"] <= fitted.chunks.conversations + 16
+    printed = capsys.readouterr().out
+    assert f"budget: 0.5 min -> {fitted.chunks.conversations:,} conversations" in printed and "from pilot run" in printed
+    assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
