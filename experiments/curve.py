@@ -484,37 +484,49 @@ def paired(changes: Changes, samples: int = 2000, seed: int = 0) -> dict:
 
 
 def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str],
-            other_n: int | None = None) -> dict:
+            other_n: int | None = None, dtype: str | None = None, other_dtype: str | None = None) -> dict:
     """`other` against `base` for one (doc, seed) in the results files, both at `n` conversations or
-    `other` at `other_n` (a comparison at equal compute of configurations that differ in cost)."""
-    return compare_docs(outs, [doc], seed, n, base, other, other_n)["per_doc"][0]
+    `other` at `other_n` (a comparison at equal compute of configurations that differ in cost).
+    `dtype` (and `other_dtype`, default `dtype`) picks the training dtype where a point was
+    trained in more than one."""
+    return compare_docs(outs, [doc], seed, n, base, other, other_n, dtype, other_dtype)["per_doc"][0]
 
 
 def compare_docs(outs: Sequence[Path], docs: Sequence[str], seed: int, n: int, base: Sequence[str],
-                 other: Sequence[str], other_n: int | None = None) -> dict:
+                 other: Sequence[str], other_n: int | None = None, dtype: str | None = None,
+                 other_dtype: str | None = None) -> dict:
     """`compare` on each document, and, given several, the closure change over all of them (`pooled`)."""
     other_n = n if other_n is None else other_n
+    other_dtype = dtype if other_dtype is None else other_dtype
     records = read_all(outs)
-    answers = [_answers(records, outs, doc, seed, n, base, other, other_n) for doc in docs]
-    changes = [question_changes(a["base"], a["other"]) for a in answers]
+    points = [{name: _point(records, outs, doc, seed, budget, args, want)
+               for name, args, budget, want in (("base", base, n, dtype), ("other", other, other_n, other_dtype))}
+              for doc in docs]
+    changes = [question_changes(*(eval_answers(p[k], Path(p[k]["store"]).parent / "eval-store")
+                                  for k in ("base", "other"))) for p in points]
     per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
-                "other": list(other), **paired(c)} for doc, c in zip(docs, changes, strict=True)]
+                "other": list(other), "dtype": p["base"]["dtype"], "other_dtype": p["other"]["dtype"], **paired(c)}
+               for doc, p, c in zip(docs, points, changes, strict=True)]
     if len(docs) < 2:
         return {"per_doc": per_doc}
     return {"per_doc": per_doc, **pooled(changes)}
 
 
-def _answers(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str],
-             other: Sequence[str], other_n: int) -> dict[str, dict[int, dict[str, float]]]:
-    found = {}
-    for name, args, budget in (("base", base, n), ("other", other, other_n)):
-        match = [r for r in select(records, args)
-                 if r["doc"] == doc and int(r["seed"]) == seed and int(r["conversations_planned"]) == budget]
-        if not match:
-            raise SystemExit(f"curve: no point {doc} seed {seed} n {budget} with train args {shlex.join(args)!r} in "
-                             + ", ".join(map(str, outs)))
-        found[name] = match[-1]
-    return {k: eval_answers(r, Path(r["store"]).parent / "eval-store") for k, r in found.items()}
+def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: int, args: Sequence[str],
+           dtype: str | None) -> dict:
+    """The point's newest record. A point trained in several dtypes is ambiguous without `dtype`:
+    their cartridges differ, so taking the newest would pair whichever ran last."""
+    match = [r for r in select(records, args) if r["doc"] == doc and int(r["seed"]) == seed
+             and int(r["conversations_planned"]) == n and dtype in (None, r.get("dtype"))]
+    where = f"{doc} seed {seed} n {n} with train args {shlex.join(args)!r}"
+    if not match:
+        trained = f" trained in {dtype}" if dtype else ""
+        raise SystemExit(f"curve: no point {where}{trained} in " + ", ".join(map(str, outs)))
+    dtypes = sorted({str(r.get("dtype")) for r in match})
+    if len(dtypes) > 1:
+        raise SystemExit(f"curve: the point {where} was trained in {' and '.join(dtypes)}; "
+                         "choose with --dtype (and --other-dtype)")
+    return match[-1]
 
 
 # ---- where in the document the closure is
@@ -751,6 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--other", required=True, help="the other point's extra train arguments")
     p.add_argument("--other-conversations", type=int, default=None,
                    help="the other point's conversations (default: --conversations)")
+    p.add_argument("--dtype", default=None, help="the training dtype, for a point trained in more than one")
+    p.add_argument("--other-dtype", default=None, help="the other point's training dtype (default: --dtype)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("regions", help="each point's NLL closure on questions about the first p tokens and the rest")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to read")
@@ -771,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "compare":
         c = compare_docs([Path(o) for o in args.out], args.doc, args.seed, args.conversations,
-                         shlex.split(args.base), shlex.split(args.other), args.other_conversations)
+                         shlex.split(args.base), shlex.split(args.other), args.other_conversations,
+                         args.dtype, args.other_dtype)
         for d in c["per_doc"]:
             closure = (f" = closure {d['closure_change']:+.3f} ({d['closure_change_ci'][0]:+.3f} to "
                        f"{d['closure_change_ci'][1]:+.3f})" if "closure_change" in d else "")

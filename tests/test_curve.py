@@ -304,6 +304,22 @@ def test_compare_pairs_two_points_question_by_question(tmp_path, capsys):
     assert "n 125 against n 250" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no point raft seed 7 n 500"):
         curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], other_n=500)
+    # the base point trained again in another dtype: the newest record no longer decides which
+    again = {**records[0], "dtype": "float32", "cartridge": "/c3.safetensors"}
+    _fake_eval(store, "e3", again["cartridge"], {"bare": bare, "icl": icl, "cartridge": other_cart})
+    curve.append_record(out, again)
+    with pytest.raises(SystemExit, match="trained in bfloat16 and float32; choose with --dtype"):
+        curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"])
+    c = curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], dtype="bfloat16")
+    assert (c["dtype"], c["other_dtype"], c["gold_nll_change"]) == ("bfloat16", "bfloat16", pytest.approx(-0.25))
+    c = curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], dtype="float32", other_dtype="bfloat16")
+    assert c["gold_nll_change"] == pytest.approx(0.0)  # the float32 base holds the other point's NLLs
+    assert curve.main(["compare", "--out", str(out), "--doc", "raft", "--seed", "7", "--conversations", "250",
+                       "--base", "--lr 2e-3", "--other=--focus", "--dtype", "float32", "--other-dtype",
+                       "bfloat16", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["dtype"] == "float32"
+    with pytest.raises(SystemExit, match="no point .* trained in float16"):
+        curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], dtype="float16")
 
 
 def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
