@@ -121,7 +121,7 @@ def pilot_rates(
     run_id = store.catalog.start_run(PILOT)
     with store.catalog.failing_run(run_id):
         summary = run_pipeline(Store(scratch), lm, corpus, pilot, fanout=fanout)
-        rates = Rates.of(summary)
+        rates = Rates.of(summary, pilot)
         store.catalog.finish_run(run_id, "complete", {
             "key": key, "rates": dataclasses.asdict(rates), "seconds": summary["seconds"],
             "conversations": summary["planned_conversations"], "model_id": lm.compute_id,

@@ -82,32 +82,41 @@ def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None,
 class Rates:
     """What a run costs on this machine, read off a finished run: seconds per conversation row
     (self-study, grounding and teacher targets), per optimizer step, and the rest (ingest, chunk
-    plan, init, held-out scoring, export), which does not grow with the conversations."""
+    plan, init, held-out scoring, export), which does not grow with the conversations; and the
+    share of planned training rows that pass the filter, which sets how many steps there are."""
 
     per_row: float
     per_step: float
     fixed: float
+    kept: float = 1.0
 
     @classmethod
-    def of(cls, summary: dict) -> Rates:
+    def of(cls, summary: dict, config: PipelineConfig) -> Rates:
+        """The rates of the run of `config` that `summary` reports."""
         seconds = {s["stage"]: s["seconds"] or 0.0 for s in summary["stages"]}
         rows = summary["conversation_rows"]
         per_row = sum(seconds[name] for name in ("synthesize", "facts", "teacher")) / rows
         fixed = summary["seconds"] - per_row * rows - summary["train_seconds"]
-        return cls(per_row, summary["train_seconds"] / summary["steps"], max(0.0, fixed))
+        kept = min(1.0, summary["train_conversations"] / rows_of(config))
+        return cls(per_row, summary["train_seconds"] / summary["steps"], max(0.0, fixed), kept)
+
+    def steps(self, config: PipelineConfig) -> int:
+        return math.ceil(rows_of(config) * self.kept * config.train.epochs / config.train.accum)
 
     def seconds(self, config: PipelineConfig) -> float:
         """The run of `config` at these rates (held-out conversations are synthesized too)."""
         rows = (config.chunks.conversations + config.chunks.heldout) * config.synth.turns
-        return self.fixed + rows * self.per_row + steps_of(config) * self.per_step
+        return self.fixed + rows * self.per_row + self.steps(config) * self.per_step
 
 
 def pilot_config(config: PipelineConfig, workers: int = 1) -> PipelineConfig:
-    """The short run that measures `Rates` for `config`: one synthesis shard per worker (shards
-    run in lockstep batches, so a smaller pilot would time a smaller batch), one epoch."""
-    chunks = config.chunks.replace(conversations=config.synth.gen_batch * workers)
+    """The short run that measures `Rates` for `config`: one synthesis shard per worker, held-out
+    conversations included (shards run in lockstep batches, so a smaller or ragged pilot would
+    time smaller batches), one epoch."""
+    planned = max(config.chunks.per_chunk, config.synth.gen_batch * workers - config.chunks.heldout)
     budget = config.budget.replace(minutes=None, coverage=None)
-    return config.replace(chunks=chunks, train=config.train.replace(epochs=1), budget=budget)
+    return config.replace(chunks=config.chunks.replace(conversations=planned),
+                          train=config.train.replace(epochs=1), budget=budget)
 
 
 def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) -> str:
@@ -123,7 +132,7 @@ def fit_minutes(config: PipelineConfig, rates: Rates) -> PipelineConfig:
     too short for one chunk's conversations is an error that says how long the least run takes."""
     seconds = config.budget.minutes * 60
     turns = config.synth.turns
-    per_conversation = turns * (rates.per_row + rates.per_step * config.train.epochs / config.train.accum)
+    per_conversation = turns * (rates.per_row + rates.per_step * rates.kept * config.train.epochs / config.train.accum)
     room = seconds - rates.fixed - config.chunks.heldout * turns * rates.per_row
     def sized(n: int) -> PipelineConfig:
         return config.replace(chunks=config.chunks.replace(conversations=n))

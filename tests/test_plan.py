@@ -73,16 +73,17 @@ def test_a_multi_turn_run_trains_on_every_turn_and_plans_its_steps(tmp_path):
 
 def test_a_time_budget_takes_the_most_conversations_that_fit():
     """fit_minutes against the run-time model it inverts: n fits the minutes, n + 1 does not."""
-    rates = Rates(per_row=1.5, per_step=2.3, fixed=200.0)
-    for turns, epochs in ((1, 2), (2, 1), (1, 5)):
+    for rates, turns, epochs in ((Rates(1.5, 2.3, 200.0), 1, 2), (Rates(1.5, 2.3, 200.0, kept=0.8), 2, 1),
+                                 (Rates(0.2, 4.0, 30.0, kept=0.9), 1, 5)):
         cfg = PipelineConfig.from_dict({"budget": {"minutes": 120}, "synth": {"turns": turns},
                                         "train": {"epochs": epochs}})
         fitted = fit_minutes(cfg, rates)
         n = fitted.chunks.conversations
         more = fitted.replace(chunks=fitted.chunks.replace(conversations=n + 1))
         assert rates.seconds(fitted) <= 120 * 60 < rates.seconds(more), (turns, epochs, n)
+    assert abs(Rates(1.0, 1.0, 0.0, kept=0.5).steps(cfg) - steps_of(cfg) / 2) <= 1  # filtered rows take no steps
     with pytest.raises(CartridgeError, match=r"budget.minutes=1: too short .* takes about \d+ min"):
-        fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 1}}), rates)
+        fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 1}}), Rates(1.5, 2.3, 200.0))
     with pytest.raises(ConfigError, match="minutes"):
         PipelineConfig.from_dict({"budget": {"minutes": 30, "coverage": 2}})
 
@@ -102,8 +103,8 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     pilots = [r for r in store.catalog.runs() if r["flow"] == "pilot"]
     assert len(pilots) == 1 and pilots[0]["status"] == "complete" and "measured by pilot run" in source
     assert not (store.root / "pilot").exists() or not any((store.root / "pilot").iterdir())  # scratch removed
-    assert rates.per_row > 0 and rates.per_step > 0 and rates.fixed >= 0
-    assert pilots[0]["summary"]["conversations"] >= cfg.synth.gen_batch  # one shard, plus held-out ones
+    assert rates.per_row > 0 and rates.per_step > 0 and rates.fixed >= 0 and 0 < rates.kept <= 1
+    assert pilots[0]["summary"]["conversations"] >= cfg.synth.gen_batch  # a shard, held-out ones included
 
     # the run sizes itself from the recorded pilot; give it speeds that make the size exact
     slow = Rates(per_row=0.5, per_step=1.0, fixed=3.0)
