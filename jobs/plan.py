@@ -120,10 +120,12 @@ def pilot_config(config: PipelineConfig, workers: int = 1) -> PipelineConfig:
 
 
 def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) -> str:
-    """What a pilot's rates hold for: its config, the model and dtype, this machine, the corpus."""
+    """What a pilot's rates hold for: its config (as the stages fingerprint it, so a rerun that only
+    adds checkpoints finds the same pilot), the model and dtype, this machine, the corpus."""
+    sections = {f.name: getattr(pilot, f.name).fingerprint_dict() for f in dataclasses.fields(pilot)}
     texts = [read_text(p) for p in expand(corpus)]
     return sha256_bytes(canonical_json({
-        "config": pilot.to_dict(), "model": model_id, "machine": platform.node(),
+        "config": sections, "model": model_id, "machine": platform.node(),
         "corpus": [sha256_bytes(t.encode()) for t in texts]}).encode())[:16]
 
 
@@ -134,6 +136,7 @@ def fit_minutes(config: PipelineConfig, rates: Rates) -> PipelineConfig:
     turns = config.synth.turns
     per_conversation = turns * (rates.per_row + rates.per_step * rates.kept * config.train.epochs / config.train.accum)
     room = seconds - rates.fixed - config.chunks.heldout * turns * rates.per_row
+
     def sized(n: int) -> PipelineConfig:
         return config.replace(chunks=config.chunks.replace(conversations=n))
 

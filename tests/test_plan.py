@@ -15,6 +15,8 @@ from jobs.plan import (
     corpus_tokens,
     estimate_seconds,
     fit_minutes,
+    pilot_config,
+    pilot_key,
     plan_line,
     resolve,
     steps_of,
@@ -119,3 +121,18 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     printed = capsys.readouterr().out
     assert f"budget: 0.5 min -> {fitted.chunks.conversations:,} conversations" in printed and "from pilot run" in printed
     assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
+
+
+def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path):
+    corpus = tmp_path / "c.md"
+    corpus.write_text(CORPUS)
+    cfg = preset("smoke", {"budget": {"minutes": 30}})
+    key = pilot_key(pilot_config(cfg), "m", [corpus])
+    checkpoints = cfg.replace(train=cfg.train.replace(save_every=5), budget=cfg.budget.replace(minutes=90))
+    assert pilot_key(pilot_config(checkpoints), "m", [corpus]) == key  # how it runs and how long: same speeds
+    assert pilot_key(pilot_config(cfg.replace(train=cfg.train.replace(p=32))), "m", [corpus]) != key
+    assert pilot_key(pilot_config(cfg), "other dtype", [corpus]) != key
+    corpus.write_text(CORPUS + " More text.")
+    assert pilot_key(pilot_config(cfg), "m", [corpus]) != key
+    assert pilot_config(cfg, workers=2).chunks.conversations == max(cfg.chunks.per_chunk,
+                                                                    2 * cfg.synth.gen_batch - cfg.chunks.heldout)
