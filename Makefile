@@ -8,6 +8,8 @@ CORPUS ?= docs/corpus/deflate.md
 P ?=
 
 CONVERSATIONS ?=
+# Minutes for the run on this machine (`--minutes`): the conversations then follow its speeds.
+MINUTES ?=
 # Empty: every command picks the fastest dtype on the machine at hand (`--dtype auto`: bfloat16
 # only where a cached probe measures it faster, float32 on CPUs without native bfloat16).
 DTYPE ?=
@@ -49,7 +51,7 @@ demo: setup
 
 cartridge: setup
 	$(BIN)/cartridges train $(DTYPE_ARG) --corpus $(CORPUS) $(if $(P),--p $(P)) $(if $(CONVERSATIONS),--conversations $(CONVERSATIONS)) \
-		--save artifacts/$(notdir $(basename $(CORPUS))).safetensors
+		$(if $(MINUTES),--minutes $(MINUTES)) --save artifacts/$(notdir $(basename $(CORPUS))).safetensors
 
 # One cartridge per document plus a retrieval index; a rerun updates the same fleet
 # (changed documents retrain, removed ones leave). FLEET_ARGS passes further options.

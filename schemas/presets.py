@@ -15,8 +15,8 @@ PRESETS: dict[str, dict] = {
         "train": {"p": 128, "lr": 5e-3, "epochs": 2, "init": "corpus"},
     },
     # As many conversations as two hours hold on the machine at hand (a pilot run measures its
-    # speeds): on a 2-core CPU about 2,500-4,000 for a 3,000-token document at 1,024 rows, where
-    # the 256-row curve's fit passes 0.5 gold-NLL closure (docs/QUALITY.md).
+    # speeds): 2,529 for `raft.md` (2,935 tokens) at 1,024 rows on a 2-core CPU in float32,
+    # about where the 256-row curve's fit passes 0.5 gold-NLL closure (docs/QUALITY.md).
     "large": {"chunks": {"heldout": 32}, "budget": {"minutes": 120}},
     # Seconds, for tests on tiny models.
     "smoke": {
