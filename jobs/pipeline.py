@@ -10,7 +10,6 @@ chain; `run_pipeline` is the same run with plain calls.
 from __future__ import annotations
 
 import dataclasses
-import platform
 import shutil
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from cartridges.core.health import health_fields
 from cartridges.core.models import LoadedModel
+from cartridges.core.speed import machine_id
 from jobs import Call, plain
 from jobs.plan import (
     Rates,
@@ -125,7 +125,7 @@ def pilot_rates(
         store.catalog.finish_run(run_id, "complete", {
             "key": key, "rates": dataclasses.asdict(rates), "seconds": summary["seconds"],
             "conversations": summary["planned_conversations"], "model_id": lm.compute_id,
-            "machine": platform.node()})
+            "machine": machine_id()})
     shutil.rmtree(scratch, ignore_errors=True)
     return rates, f"speeds measured by pilot run {run_id}"
 
@@ -137,7 +137,7 @@ def finish(run: CartridgeRun, save: str | Path | None, seconds: float) -> dict:
     summary["fact_coverage"] = facts.fact_coverage(store.table(a["facts"]).select(["conversations"]).to_pylist())
     arts = [a[stage.name] for stage in CARTRIDGE]
     summary.update(kind=NAME, run_id=run.job.run_id, seconds=seconds, **run.job.model.dtype_record(),
-                   model_id=run.job.model_id, machine=platform.node(),
+                   model_id=run.job.model_id, machine=machine_id(),
                    skipped=[x.stage for x in arts if x.skipped])
     if run.budget:
         summary["budget"] = run.budget

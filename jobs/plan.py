@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 import statistics
 from pathlib import Path
 
 from cartridges.core.corpus import expand, read_text
 from cartridges.core.errors import CartridgeError
+from cartridges.core.speed import machine_id
 from schemas import PipelineConfig
 from storage import Store, canonical_json, sha256_bytes
 
@@ -54,7 +54,7 @@ def estimate_seconds(store: Store, model_id: str, config: PipelineConfig) -> tup
     per_conv, per_step = [], []
     for run in store.catalog.runs():
         s = run["summary"] or {}
-        if run["flow"] != "cartridge" or s.get("model_id") != model_id or s.get("machine") != platform.node():
+        if run["flow"] != "cartridge" or s.get("model_id") != model_id or s.get("machine") != machine_id():
             continue
         if s.get("s_per_conversation") and "synthesize" not in (s.get("skipped") or []):
             per_conv.append(s["s_per_conversation"])
@@ -125,7 +125,7 @@ def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) ->
     sections = {f.name: getattr(pilot, f.name).fingerprint_dict() for f in dataclasses.fields(pilot)}
     texts = [read_text(p) for p in expand(corpus)]
     return sha256_bytes(canonical_json({
-        "config": sections, "model": model_id, "machine": platform.node(),
+        "config": sections, "model": model_id, "machine": machine_id(),
         "corpus": [sha256_bytes(t.encode()) for t in texts]}).encode())[:16]
 
 

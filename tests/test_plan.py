@@ -123,7 +123,7 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
 
 
-def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path):
+def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path, monkeypatch):
     corpus = tmp_path / "c.md"
     corpus.write_text(CORPUS)
     cfg = preset("smoke", {"budget": {"minutes": 30}})
@@ -134,5 +134,8 @@ def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path):
     assert pilot_key(pilot_config(cfg), "other dtype", [corpus]) != key
     corpus.write_text(CORPUS + " More text.")
     assert pilot_key(pilot_config(cfg), "m", [corpus]) != key
+    corpus.write_text(CORPUS)
+    monkeypatch.setattr("jobs.plan.machine_id", lambda: "vm | AMD EPYC | AVX512 | 2 cpus | torch 2.13.0")
+    assert pilot_key(pilot_config(cfg), "m", [corpus]) != key  # same host name, another CPU under it
     assert pilot_config(cfg, workers=2).chunks.conversations == max(cfg.chunks.per_chunk,
                                                                     2 * cfg.synth.gen_batch - cfg.chunks.heldout)

@@ -68,6 +68,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_id() -> str:
+    """This machine as its speeds depend on it. A host name alone is not enough: a virtual
+    machine can keep its name while the CPU under it changes."""
+    return f"{platform.node()} | {cpu_name()} | {cpu_capability()} | {os.cpu_count()} cpus | torch {torch.__version__}"
+
+
 def cache_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "cartridges" / "speed.json"
