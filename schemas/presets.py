@@ -38,7 +38,8 @@ def preset(name: str, overrides: dict | None = None) -> PipelineConfig:
         raise ConfigError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
     merged = {section: dict(values) for section, values in PRESETS[name].items()}
     overrides = overrides or {}
-    if "conversations" in overrides.get("chunks", {}) and "minutes" not in overrides.get("budget", {}):
+    sizes = "conversations" in overrides.get("chunks", {}) or "coverage" in overrides.get("budget", {})
+    if sizes and "minutes" not in overrides.get("budget", {}):
         merged.get("budget", {}).pop("minutes", None)  # conversations given: the preset's time budget yields
     for section, values in overrides.items():
         merged.setdefault(section, {}).update(values)

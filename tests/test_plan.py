@@ -94,6 +94,8 @@ def test_the_large_preset_is_a_time_budget_that_given_conversations_replace():
     assert preset("large").budget.minutes == 120
     given = preset("large", {"chunks": {"conversations": 500}})
     assert given.budget.minutes is None and given.chunks.conversations == 500
+    assert preset("large", {"budget": {"coverage": 2}}).budget.minutes is None  # so is coverage
+    assert preset("large", {"budget": {"minutes": 30}}).budget.minutes == 30
 
 
 def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path, capsys):
