@@ -93,6 +93,10 @@ class Rates:
     @classmethod
     def of(cls, summary: dict, config: PipelineConfig) -> Rates:
         """The rates of the run of `config` that `summary` reports."""
+        if not summary["steps"]:
+            raise CartridgeError(f"budget.minutes: the pilot run trained no step (the filter kept none of its "
+                                 f"{summary['conversation_rows']} conversations), so it measured no speed; "
+                                 "give --conversations instead")
         seconds = {s["stage"]: s["seconds"] or 0.0 for s in summary["stages"]}
         rows = summary["conversation_rows"]
         per_row = sum(seconds[name] for name in ("synthesize", "facts", "teacher")) / rows

@@ -88,6 +88,10 @@ def test_a_time_budget_takes_the_most_conversations_that_fit():
         fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 1}}), Rates(1.5, 2.3, 200.0))
     with pytest.raises(ConfigError, match="minutes"):
         PipelineConfig.from_dict({"budget": {"minutes": 30, "coverage": 2}})
+    nothing_kept = {"steps": 0, "conversation_rows": 64, "stages": [], "seconds": 9.0, "train_seconds": 0.0,
+                    "train_conversations": 0}
+    with pytest.raises(CartridgeError, match="pilot run trained no step .* kept none of its 64"):
+        Rates.of(nothing_kept, PipelineConfig())
 
 
 def test_the_large_preset_is_a_time_budget_that_given_conversations_replace():
