@@ -113,6 +113,8 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     assert not (store.root / "pilot").exists() or not any((store.root / "pilot").iterdir())  # scratch removed
     assert rates.per_row > 0 and rates.per_step > 0 and rates.fixed >= 0 and 0 < rates.kept <= 1
     assert pilots[0]["summary"]["conversations"] >= cfg.synth.gen_batch  # a shard, held-out ones included
+    # the speeds, put back together, give the pilot's own duration
+    assert rates.seconds(pilot_config(cfg)) == pytest.approx(pilots[0]["summary"]["seconds"], rel=1e-6)
 
     # the run sizes itself from the recorded pilot; give it speeds that make the size exact
     slow = Rates(per_row=0.5, per_step=1.0, fixed=3.0)
