@@ -74,10 +74,10 @@ def cartridge_run(
     else:
         rates, source = pilot_rates(store, lm, corpus, config, fanout)
         config = fit_minutes(config, rates)
-        budget = {"minutes": config.budget.minutes, "estimate_seconds": rates.seconds(config),
-                  "rates": dataclasses.asdict(rates)}
+        estimate = rates.seconds(config)
+        budget = {"minutes": config.budget.minutes, "estimate_seconds": estimate, "rates": dataclasses.asdict(rates)}
         print(rates_line(config, rates, source), flush=True)
-        print(plan_line(config, tokens, (rates.seconds(config), 1), "at the pilot's speeds"), flush=True)
+        print(plan_line(config, tokens, (estimate, 1), "at the pilot's speeds"), flush=True)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):
