@@ -18,7 +18,7 @@ from cli.common import (
     emit_json,
 )
 from cli.fleet import add_parsers, ask_fleet
-from cli.options import add_options, config_from
+from cli.options import add_options, config_from, given
 from cli.store import add_parsers as add_store_parsers
 from schemas.configs import PipelineConfig
 from schemas.presets import PRESETS, preset
@@ -122,6 +122,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     store = Store(args.store)
     cfg = pipeline_config(args)
+    if "minutes" not in given(args, PipelineConfig).get("budget", {}):  # a preset's time budget sizes whole runs
+        cfg = cfg.replace(budget=cfg.budget.replace(minutes=None))
     budgets = [f"budget.{name}" for name, value in cfg.budget.to_dict().items() if value is not None]
     if budgets:  # budgets size a whole run from the corpus or the machine, before its first stage
         raise CartridgeError(f"stage {args.name}: {', '.join(budgets)} sizes a whole run (`cartridges train`); "

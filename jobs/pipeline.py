@@ -72,11 +72,13 @@ def cartridge_run(
     if config.budget.minutes is None:
         print(plan_line(config, tokens, estimate_seconds(store, lm.compute_id, config)), flush=True)
     else:
-        rates, source = pilot_rates(store, lm, corpus, config, fanout)
-        config = fit_minutes(config, rates)
+        rates, source, pilot = pilot_rates(store, lm, corpus, config, fanout)
+        spent = 0.0 if pilot_paid(store, pilot["run_id"]) else pilot["seconds"]
+        config = fit_minutes(config, rates, spent)
         estimate = rates.seconds(config)
-        budget = {"minutes": config.budget.minutes, "estimate_seconds": estimate, "rates": dataclasses.asdict(rates)}
-        print(rates_line(config, rates, source), flush=True)
+        budget = {"minutes": config.budget.minutes, "estimate_seconds": estimate, "rates": dataclasses.asdict(rates),
+                  "pilot": pilot["run_id"], "pilot_seconds": spent}
+        print(rates_line(config, rates, source, spent), flush=True)
         print(plan_line(config, tokens, (estimate, 1), "at the pilot's speeds"), flush=True)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
@@ -104,16 +106,19 @@ def run_pipeline(
 
 def pilot_rates(
     store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig, fanout: Fanout | None,
-) -> tuple[Rates, str]:
-    """This machine's `Rates` for `config`: from this store's pilot run for the same config, model,
-    machine and corpus, or from a new one. The pilot runs in a scratch store under this one (so
-    its timings are never shortened by reused work) that is removed after; the catalog keeps its
-    rates, so a rerun (after a crash, say) sizes the run alike and resumes it."""
+) -> tuple[Rates, str, dict]:
+    """This machine's `Rates` for `config`, where they come from, and the pilot run (its id and
+    seconds): this store's pilot run for the same config, model, machine and corpus, or a new one.
+    The pilot runs in a scratch store under this one (so its timings are never shortened by
+    reused work) that is removed after; the catalog keeps its rates, so a rerun (after a crash,
+    say) sizes the run alike and resumes it. Speeds are per corpus: on three 3,000-token
+    documents a pilot of one sized the others' 30 minutes 16-19% wrong (docs/PIPELINE.md)."""
     pilot = pilot_config(config, fanout.workers if fanout else 1)
     key = pilot_key(pilot, lm.compute_id, corpus)
     for run in reversed(store.catalog.runs()):
         if run["flow"] == PILOT and run["status"] == "complete" and (run["summary"] or {}).get("key") == key:
-            return Rates(**run["summary"]["rates"]), f"speeds from pilot run {run['run_id']}"
+            found = {"run_id": run["run_id"], "seconds": run["summary"]["seconds"]}
+            return Rates(**run["summary"]["rates"]), f"speeds from pilot run {run['run_id']}", found
     scratch = store.root / PILOT / key
     shutil.rmtree(scratch, ignore_errors=True)  # a crashed pilot's partial work would time short
     print(f"budget: a pilot run of {pilot.chunks.conversations} conversations measures this machine's speeds",
@@ -127,7 +132,16 @@ def pilot_rates(
             "conversations": summary["planned_conversations"], "model_id": lm.compute_id,
             "machine": machine_id()})
     shutil.rmtree(scratch, ignore_errors=True)
-    return rates, f"speeds measured by pilot run {run_id}"
+    return rates, f"speeds measured by pilot run {run_id}", {"run_id": run_id, "seconds": summary["seconds"]}
+
+
+def pilot_paid(store: Store, pilot_id: str) -> bool:
+    """Whether a complete run already counted this pilot in its minutes. The first run a pilot
+    sizes pays for it, so that run, pilot included, fits its budget; a rerun after a crash pays
+    again, so it sizes alike and resumes."""
+    return any(run["flow"] == NAME and run["status"] == "complete"
+               and ((run["summary"] or {}).get("budget") or {}).get("pilot") == pilot_id
+               for run in store.catalog.runs())
 
 
 def finish(run: CartridgeRun, save: str | Path | None, seconds: float) -> dict:

@@ -133,10 +133,11 @@ def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) ->
         "corpus": [sha256_bytes(t.encode()) for t in texts]}).encode())[:16]
 
 
-def fit_minutes(config: PipelineConfig, rates: Rates) -> PipelineConfig:
-    """`chunks.conversations` set to the most that `budget.minutes` holds at `rates`; a budget
-    too short for one chunk's conversations is an error that says how long the least run takes."""
-    seconds = config.budget.minutes * 60
+def fit_minutes(config: PipelineConfig, rates: Rates, spent: float = 0.0) -> PipelineConfig:
+    """`chunks.conversations` set to the most that `budget.minutes`, less `spent` seconds (the
+    pilot's, on the first run it sizes), holds at `rates`; a budget too short for one chunk's
+    conversations is an error that says how long the least run takes."""
+    seconds = config.budget.minutes * 60 - spent
     turns = config.synth.turns
     per_conversation = turns * (rates.per_row + rates.per_step * rates.kept * config.train.epochs / config.train.accum)
     room = seconds - rates.fixed - config.chunks.heldout * turns * rates.per_row
@@ -148,13 +149,16 @@ def fit_minutes(config: PipelineConfig, rates: Rates) -> PipelineConfig:
     while n >= least and rates.seconds(sized(n)) > seconds:  # the last step, rounded up, may not fit
         n -= 1
     if n < least:
+        pilot = f" after the pilot's {spent / 60:.1f} min" if spent else ""
         raise CartridgeError(
             f"budget.minutes={config.budget.minutes:g}: too short for this corpus on this machine; "
-            f"the least run ({least} conversations) takes about {math.ceil(rates.seconds(sized(least)) / 60)} min here")
+            f"the least run ({least} conversations) takes about {math.ceil(rates.seconds(sized(least)) / 60)} min "
+            f"here{pilot}")
     return sized(n)
 
 
-def rates_line(config: PipelineConfig, rates: Rates, source: str) -> str:
-    return (f"budget: {config.budget.minutes:g} min -> {config.chunks.conversations:,} conversations at "
+def rates_line(config: PipelineConfig, rates: Rates, source: str, spent: float = 0.0) -> str:
+    pilot = f", after the pilot's {spent / 60:.1f} min" if spent else ""
+    return (f"budget: {config.budget.minutes:g} min{pilot} -> {config.chunks.conversations:,} conversations at "
             f"{rates.per_row:.2f} s per conversation, {rates.per_step:.2f} s per training step and "
             f"{rates.fixed / 60:.1f} min of fixed work ({source})")

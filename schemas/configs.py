@@ -187,7 +187,7 @@ class IngestConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig(_Config):
-    # docs/QUALITY.md: about 20 minutes for a 3,000-token document, 2 epochs
+    # The size without a time budget; the default preset sizes it by minutes (schemas/presets.py)
     conversations: int = option(1000, "self-study conversations to train on")
     heldout: int = option(16, "held-out conversations, scored before and after training")
     chunk_min: int = option(256, "shortest chunk, in tokens")

@@ -5,7 +5,10 @@ from __future__ import annotations
 from schemas.configs import PipelineConfig
 
 PRESETS: dict[str, dict] = {
-    "default": {},
+    # As many conversations as 30 minutes hold on the machine at hand, the pilot run that measures
+    # its speeds (about 5 minutes, once per corpus and config) included: 596-714 for the three
+    # 3,000-token eval documents at 256 rows on a 2-core CPU in float32 (docs/PIPELINE.md).
+    "default": {"budget": {"minutes": 30}},
     # Fits `make demo` in ten minutes on a 2-core CPU without native bfloat16 (float32).
     "demo": {
         "chunks": {"conversations": 40, "heldout": 8, "chunk_min": 256, "chunk_max": 384},

@@ -277,6 +277,10 @@ def test_stage_command_reruns_one_stage_and_runs_lists_artifacts(tmp_path, corpu
     capsys.readouterr()
     assert main(["stage", "chunks", *common, "--minutes", "30"]) == 2  # a budget sizes a whole run
     assert "stage chunks: budget.minutes sizes a whole run" in capsys.readouterr().err
+    # the default preset's time budget is for whole runs: one stage takes the configured size
+    assert main(["stage", "chunks", "--model", str(tiny_model_dir), "--store", str(store), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["skipped"] is False and result["rows"] > 10
 
 
 @pytest.mark.parametrize("bad", ["missing", "binary"])

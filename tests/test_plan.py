@@ -9,7 +9,7 @@ import math
 import pytest
 
 from cartridges.core.errors import CartridgeError
-from jobs.pipeline import pilot_rates, run_pipeline
+from jobs.pipeline import pilot_paid, pilot_rates, run_pipeline
 from jobs.plan import (
     Rates,
     corpus_tokens,
@@ -83,9 +83,14 @@ def test_a_time_budget_takes_the_most_conversations_that_fit():
         n = fitted.chunks.conversations
         more = fitted.replace(chunks=fitted.chunks.replace(conversations=n + 1))
         assert rates.seconds(fitted) <= 120 * 60 < rates.seconds(more), (turns, epochs, n)
+        paying = fit_minutes(cfg, rates, spent=600.0)  # the pilot's ten minutes come off the budget
+        more = paying.replace(chunks=paying.chunks.replace(conversations=paying.chunks.conversations + 1))
+        assert 600 + rates.seconds(paying) <= 120 * 60 < 600 + rates.seconds(more), (turns, epochs)
     assert abs(Rates(1.0, 1.0, 0.0, kept=0.5).steps(cfg) - steps_of(cfg) / 2) <= 1  # filtered rows take no steps
     with pytest.raises(CartridgeError, match=r"budget.minutes=1: too short .* takes about \d+ min"):
         fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 1}}), Rates(1.5, 2.3, 200.0))
+    with pytest.raises(CartridgeError, match=r"takes about \d+ min here after the pilot's 4.0 min"):
+        fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 4.5}}), Rates(1.5, 2.3, 10.0), spent=240.0)
     with pytest.raises(ConfigError, match="minutes"):
         PipelineConfig.from_dict({"budget": {"minutes": 30, "coverage": 2}})
     nothing_kept = {"steps": 0, "conversation_rows": 64, "stages": [], "seconds": 9.0, "train_seconds": 0.0,
@@ -94,8 +99,9 @@ def test_a_time_budget_takes_the_most_conversations_that_fit():
         Rates.of(nothing_kept, PipelineConfig())
 
 
-def test_the_large_preset_is_a_time_budget_that_given_conversations_replace():
-    assert preset("large").budget.minutes == 120
+def test_the_default_and_large_presets_are_time_budgets_that_given_conversations_replace():
+    assert preset("default").budget.minutes == 30 and preset("large").budget.minutes == 120
+    assert preset("default", {"chunks": {"conversations": 500}}).budget.minutes is None
     given = preset("large", {"chunks": {"conversations": 500}})
     assert given.budget.minutes is None and given.chunks.conversations == 500
     assert preset("large", {"budget": {"coverage": 2}}).budget.minutes is None  # so is coverage
@@ -107,9 +113,10 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     corpus.write_text(CORPUS)
     lm, store = tiny_llama(), Store(tmp_path / "s")
     cfg = preset("smoke", {"synth": {"filter": False}, "budget": {"minutes": 0.5}})
-    rates, source = pilot_rates(store, lm, [corpus], cfg, None)
+    rates, source, pilot = pilot_rates(store, lm, [corpus], cfg, None)
     pilots = [r for r in store.catalog.runs() if r["flow"] == "pilot"]
     assert len(pilots) == 1 and pilots[0]["status"] == "complete" and "measured by pilot run" in source
+    assert pilot == {"run_id": pilots[0]["run_id"], "seconds": pilots[0]["summary"]["seconds"]}
     assert not (store.root / "pilot").exists() or not any((store.root / "pilot").iterdir())  # scratch removed
     assert rates.per_row > 0 and rates.per_step > 0 and rates.fixed >= 0 and 0 < rates.kept <= 1
     assert pilots[0]["summary"]["conversations"] >= cfg.synth.gen_batch  # a shard, held-out ones included
@@ -122,12 +129,16 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
         con.execute("UPDATE runs SET summary = ? WHERE run_id = ?",
                     [json.dumps({**pilots[0]["summary"], "rates": dataclasses.asdict(slow)}), pilots[0]["run_id"]])
     capsys.readouterr()
+    assert not pilot_paid(store, pilot["run_id"])
     summary = run_pipeline(store, lm, [corpus], cfg)
-    fitted = fit_minutes(cfg, slow)
+    fitted = fit_minutes(cfg, slow, pilot["seconds"])  # the first run it sizes pays for the pilot
     assert summary["budget"]["minutes"] == 0.5 and summary["budget"]["estimate_seconds"] == slow.seconds(fitted)
+    assert summary["budget"]["pilot"] == pilot["run_id"] and summary["budget"]["pilot_seconds"] == pilot["seconds"]
+    assert pilot_paid(store, pilot["run_id"])  # later runs it sizes get their whole minutes
     assert 0 < fitted.chunks.conversations < summary["planned_conversations"] <= fitted.chunks.conversations + 16
     printed = capsys.readouterr().out
-    assert f"budget: 0.5 min -> {fitted.chunks.conversations:,} conversations" in printed and "from pilot run" in printed
+    paid = f"budget: 0.5 min, after the pilot's {pilot['seconds'] / 60:.1f} min -> {fitted.chunks.conversations:,} conv"
+    assert paid in printed and "from pilot run" in printed
     assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
 
 
