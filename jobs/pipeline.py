@@ -79,7 +79,7 @@ def cartridge_run(
         budget = {"minutes": config.budget.minutes, "estimate_seconds": estimate, "rates": dataclasses.asdict(rates),
                   "pilot": pilot["run_id"], "pilot_seconds": spent}
         print(rates_line(config, rates, source, spent), flush=True)
-        print(plan_line(config, tokens, (estimate, 1), "at the pilot's speeds"), flush=True)
+        print(plan_line(config, tokens, (estimate, 1), "at the pilot's speeds", rates.steps(config)), flush=True)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):

@@ -66,8 +66,10 @@ def estimate_seconds(store: Store, model_id: str, config: PipelineConfig) -> tup
     return total, min(len(per_conv), len(per_step))
 
 
-def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None, int], basis: str | None = None) -> str:
-    """The plan; `basis` says where the estimate comes from when it is not earlier runs."""
+def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None, int], basis: str | None = None,
+              steps: int | None = None) -> str:
+    """The plan; `basis` says where the estimate comes from when it is not earlier runs, and
+    `steps` counts the steps when the share of conversations the filter keeps is known."""
     rows, convs = config.train.p, config.chunks.conversations
     seconds, runs = estimate
     turns = f" of {config.synth.turns} turns" if config.synth.turns > 1 else ""
@@ -75,7 +77,7 @@ def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None,
     minutes = (f"about {seconds / 60:.0f} min on this machine ({basis})"
                if seconds is not None else "no estimate yet (no earlier run of this model in this store)")
     return (f"plan: {tokens:,} corpus tokens -> {rows:,} rows ({tokens / rows:.1f}x fewer), "
-            f"{convs:,} conversations{turns}, {steps_of(config):,} training steps; {minutes}")
+            f"{convs:,} conversations{turns}, {steps or steps_of(config):,} training steps; {minutes}")
 
 
 @dataclasses.dataclass(frozen=True)

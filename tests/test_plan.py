@@ -124,7 +124,7 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     assert rates.seconds(pilot_config(cfg)) == pytest.approx(pilots[0]["summary"]["seconds"], rel=1e-6)
 
     # the run sizes itself from the recorded pilot; give it speeds that make the size exact
-    slow = Rates(per_row=0.5, per_step=1.0, fixed=3.0)
+    slow = Rates(per_row=0.5, per_step=1.0, fixed=3.0, kept=0.5)
     with store.catalog._connect() as con:  # noqa: SLF001 - the test sets the speeds a pilot recorded
         con.execute("UPDATE runs SET summary = ? WHERE run_id = ?",
                     [json.dumps({**pilots[0]["summary"], "rates": dataclasses.asdict(slow)}), pilots[0]["run_id"]])
@@ -139,6 +139,8 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     printed = capsys.readouterr().out
     paid = f"budget: 0.5 min, after the pilot's {pilot['seconds'] / 60:.1f} min -> {fitted.chunks.conversations:,} conv"
     assert paid in printed and "from pilot run" in printed
+    steps = slow.steps(fitted)  # the plan counts only the conversations the filter keeps
+    assert f" {steps:,} training steps" in printed and steps < steps_of(fitted)
     assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
 
 
