@@ -8,7 +8,8 @@ CORPUS ?= docs/corpus/deflate.md
 P ?=
 
 CONVERSATIONS ?=
-# Minutes for the run on this machine (`--minutes`): the conversations then follow its speeds.
+# Minutes for the run on this machine (`--minutes`; empty: the default preset's 30): the
+# conversations then follow its speeds.
 MINUTES ?=
 # Empty: every command picks the fastest dtype on the machine at hand (`--dtype auto`: bfloat16
 # only where a cached probe measures it faster, float32 on CPUs without native bfloat16).
@@ -95,13 +96,13 @@ serve-fleet: setup
 	@test -f $(FLEET)/fleet.json -o -f $(FLEET)/current/fleet.json || { echo "$(FLEET) holds no fleet: run 'make fleet' first"; exit 2; }
 	$(BIN)/cartridges serve --fleet $(FLEET) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-# A soak of `serve --fleet` (docs/RELIABILITY.md): mixed traffic for MINUTES while a new fleet version is
+# A soak of `serve --fleet` (docs/RELIABILITY.md): mixed traffic for SOAK_MINUTES while a new fleet version is
 # published and reloaded every few minutes; errors, p50/p99 per 5-minute window, RSS over time.
 # SOAK_ARGS passes further options (e.g. "--model tiny --window-s 60").
-MINUTES ?= 30
+SOAK_MINUTES ?= 30
 SOAK_ARGS ?=
 soak: setup
-	$(BIN)/python -m bench.soak --minutes $(MINUTES) $(SOAK_ARGS) --json
+	$(BIN)/python -m bench.soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS) --json
 
 bench-synth: setup
 	$(BIN)/python -m bench.bench_synth --corpus $(CORPUS) --max-new 64
