@@ -6,8 +6,9 @@ from schemas.configs import PipelineConfig
 
 PRESETS: dict[str, dict] = {
     # As many conversations as 30 minutes hold on the machine at hand, the pilot run that measures
-    # its speeds (about 5 minutes, once per corpus and config) included: 596-714 for the three
-    # 3,000-token eval documents at 256 rows on a 2-core CPU in float32 (docs/PIPELINE.md).
+    # its speeds (about 5 minutes, once per corpus and config) included on a corpus's first run:
+    # 478-596 for the three 3,000-token eval documents at 256 rows on a 2-core CPU in float32
+    # (596-714 on later runs; experiments/LAB.md).
     "default": {"budget": {"minutes": 30}},
     # Fits `make demo` in ten minutes on a 2-core CPU without native bfloat16 (float32).
     "demo": {
