@@ -127,8 +127,11 @@ def pilot_config(config: PipelineConfig, workers: int = 1) -> PipelineConfig:
 
 def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) -> str:
     """What a pilot's rates hold for: its config (as the stages fingerprint it, so a rerun that only
-    adds checkpoints finds the same pilot), the model and dtype, this machine, the corpus."""
-    sections = {f.name: getattr(pilot, f.name).fingerprint_dict() for f in dataclasses.fields(pilot)}
+    adds checkpoints finds the same pilot; seeds left out, since they choose which spans and
+    questions, not how long they are, so a rerun with another `--seed` sizes alike), the model
+    and dtype, this machine, the corpus."""
+    sections = {f.name: {k: v for k, v in getattr(pilot, f.name).fingerprint_dict().items() if k != "seed"}
+                for f in dataclasses.fields(pilot)}
     texts = [read_text(p) for p in expand(corpus)]
     return sha256_bytes(canonical_json({
         "config": sections, "model": model_id, "machine": machine_id(),

@@ -151,6 +151,9 @@ def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path, monkeyp
     key = pilot_key(pilot_config(cfg), "m", [corpus])
     checkpoints = cfg.replace(train=cfg.train.replace(save_every=5), budget=cfg.budget.replace(minutes=90))
     assert pilot_key(pilot_config(checkpoints), "m", [corpus]) == key  # how it runs and how long: same speeds
+    reseeded = preset("smoke", {"budget": {"minutes": 30}, "chunks": {"seed": 8}, "synth": {"seed": 8},
+                                "train": {"seed": 8}})
+    assert pilot_key(pilot_config(reseeded), "m", [corpus]) == key  # other spans and questions, same lengths
     assert pilot_key(pilot_config(cfg.replace(train=cfg.train.replace(p=32))), "m", [corpus]) != key
     assert pilot_key(pilot_config(cfg), "other dtype", [corpus]) != key
     corpus.write_text(CORPUS + " More text.")
