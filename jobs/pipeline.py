@@ -23,7 +23,7 @@ from jobs import Call, plain
 from jobs.plan import (
     Rates,
     corpus_tokens,
-    estimate_seconds,
+    earlier_rates,
     fit_minutes,
     pilot_config,
     pilot_key,
@@ -70,7 +70,8 @@ def cartridge_run(
     tokens = corpus_tokens(lm.tokenizer, corpus)
     config, budget = resolve(config, tokens), None
     if config.budget.minutes is None:
-        print(plan_line(config, tokens, estimate_seconds(store, lm.compute_id, config)), flush=True)
+        rates, runs = earlier_rates(store, lm.compute_id)
+        print(plan_line(config, tokens, rates, f"from {runs} earlier run{'s' * (runs != 1)}"), flush=True)
     else:
         rates, source, pilot = pilot_rates(store, lm, corpus, config, fanout)
         spent = 0.0 if pilot_paid(store, pilot["run_id"]) else pilot["seconds"]
@@ -79,7 +80,7 @@ def cartridge_run(
         budget = {"minutes": config.budget.minutes, "estimate_seconds": estimate, "rates": dataclasses.asdict(rates),
                   "pilot": pilot["run_id"], "pilot_seconds": spent}
         print(rates_line(config, rates, source, spent), flush=True)
-        print(plan_line(config, tokens, (estimate, 1), "at the pilot's speeds", rates.steps(config)), flush=True)
+        print(plan_line(config, tokens, rates, "at the pilot's speeds"), flush=True)
     run_id = store.catalog.start_run(NAME)
     started = time.perf_counter()
     with store.catalog.failing_run(run_id):
@@ -126,7 +127,7 @@ def pilot_rates(
     run_id = store.catalog.start_run(PILOT)
     with store.catalog.failing_run(run_id):
         summary = run_pipeline(Store(scratch), lm, corpus, pilot, fanout=fanout)
-        rates = Rates.of(summary, pilot)
+        rates = Rates.of(summary)
         store.catalog.finish_run(run_id, "complete", {
             "key": key, "rates": dataclasses.asdict(rates), "seconds": summary["seconds"],
             "conversations": summary["planned_conversations"], "model_id": lm.compute_id,
@@ -201,6 +202,7 @@ def summarize(store: Store, docs, plan, convs, trained, health: HealthConfig) ->
         **health_fields(result["losses"], result["heldout_loss_before"], result["heldout_loss_after"], health),
         "conversations": used,
         "planned_conversations": plan.rows,
+        "train_rows": sum(c["split"] == "train" for c in conv_rows),
         "conversation_rows": len(conv_rows),
         "a_ok_rate": sum(c["a_ok"] for c in conv_rows) / max(1, len(conv_rows)),
         "b_degenerate_rate": sum((c["a_ok"] and not c["b_ok"]) for c in conv_rows) / max(1, sum(c["a_ok"] for c in conv_rows)),

@@ -3,9 +3,8 @@
 Budgets can follow the corpus (`budget.compression`: corpus tokens per row; `budget.coverage`:
 training spans over each token, on average) or the machine (`budget.minutes`: as many
 conversations as fit, at the speeds a pilot run measured here; see `Rates`). The estimate
-comes from this store's earlier runs of the same model on this machine (seconds per
-conversation of self-study and per training step, medians); with none, the plan says so
-rather than guess.
+comes from this store's earlier runs of the same model on this machine (their `Rates`,
+medians); with none, the plan says so rather than guess.
 """
 
 from __future__ import annotations
@@ -44,40 +43,20 @@ def rows_of(config: PipelineConfig) -> int:
     return config.chunks.conversations * config.synth.turns
 
 
-def steps_of(config: PipelineConfig) -> int:
-    return math.ceil(rows_of(config) * config.train.epochs / config.train.accum)
+def steps_of(config: PipelineConfig, kept: float = 1.0) -> int:
+    """Optimizer steps over the planned rows, of which the filter keeps the share `kept`."""
+    return math.ceil(rows_of(config) * kept * config.train.epochs / config.train.accum)
 
 
-def estimate_seconds(store: Store, model_id: str, config: PipelineConfig) -> tuple[float | None, int]:
-    """Seconds of self-study and training for `config`, from the earlier complete runs of this model
-    on this machine in `store` (None with no such run), and how many runs it rests on."""
-    per_conv, per_step = [], []
-    for run in store.catalog.runs():
-        s = run["summary"] or {}
-        if run["flow"] != "cartridge" or s.get("model_id") != model_id or s.get("machine") != machine_id():
-            continue
-        if s.get("s_per_conversation") and "synthesize" not in (s.get("skipped") or []):
-            per_conv.append(s["s_per_conversation"])
-        if s.get("steps") and s.get("train_seconds") and "train" not in (s.get("skipped") or []):
-            per_step.append(s["train_seconds"] / s["steps"])
-    if not per_conv or not per_step:
-        return None, 0
-    total = rows_of(config) * statistics.median(per_conv) + steps_of(config) * statistics.median(per_step)
-    return total, min(len(per_conv), len(per_step))
-
-
-def plan_line(config: PipelineConfig, tokens: int, estimate: tuple[float | None, int], basis: str | None = None,
-              steps: int | None = None) -> str:
-    """The plan; `basis` says where the estimate comes from when it is not earlier runs, and
-    `steps` counts the steps when the share of conversations the filter keeps is known."""
+def plan_line(config: PipelineConfig, tokens: int, rates: Rates | None, basis: str = "") -> str:
+    """The plan, its steps and minutes at `rates` (`basis` says where they come from)."""
     rows, convs = config.train.p, config.chunks.conversations
-    seconds, runs = estimate
     turns = f" of {config.synth.turns} turns" if config.synth.turns > 1 else ""
-    basis = basis or f"from {runs} earlier run{'s' * (runs != 1)}"
-    minutes = (f"about {seconds / 60:.0f} min on this machine ({basis})"
-               if seconds is not None else "no estimate yet (no earlier run of this model in this store)")
+    steps = rates.steps(config) if rates else steps_of(config)
+    minutes = (f"about {rates.seconds(config) / 60:.0f} min on this machine ({basis})"
+               if rates else "no estimate yet (no earlier run of this model in this store)")
     return (f"plan: {tokens:,} corpus tokens -> {rows:,} rows ({tokens / rows:.1f}x fewer), "
-            f"{convs:,} conversations{turns}, {steps or steps_of(config):,} training steps; {minutes}")
+            f"{convs:,} conversations{turns}, {steps:,} training steps; {minutes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,8 +72,8 @@ class Rates:
     kept: float = 1.0
 
     @classmethod
-    def of(cls, summary: dict, config: PipelineConfig) -> Rates:
-        """The rates of the run of `config` that `summary` reports."""
+    def of(cls, summary: dict) -> Rates:
+        """The rates of the run that `summary` reports."""
         if not summary["steps"]:
             raise CartridgeError(f"budget.minutes: the pilot run trained no step (the filter kept none of its "
                                  f"{summary['conversation_rows']} conversations), so it measured no speed; "
@@ -103,16 +82,33 @@ class Rates:
         rows = summary["conversation_rows"]
         per_row = sum(seconds[name] for name in ("synthesize", "facts", "teacher")) / rows
         fixed = summary["seconds"] - per_row * rows - summary["train_seconds"]
-        kept = min(1.0, summary["train_conversations"] / rows_of(config))
+        kept = min(1.0, summary["train_conversations"] / max(1, summary["train_rows"]))
         return cls(per_row, summary["train_seconds"] / summary["steps"], max(0.0, fixed), kept)
 
     def steps(self, config: PipelineConfig) -> int:
-        return math.ceil(rows_of(config) * self.kept * config.train.epochs / config.train.accum)
+        return steps_of(config, self.kept)
 
     def seconds(self, config: PipelineConfig) -> float:
         """The run of `config` at these rates (held-out conversations are synthesized too)."""
         rows = (config.chunks.conversations + config.chunks.heldout) * config.synth.turns
         return self.fixed + rows * self.per_row + self.steps(config) * self.per_step
+
+
+def earlier_rates(store: Store, model_id: str) -> tuple[Rates | None, int]:
+    """The median `Rates` of this store's earlier runs of this model on this machine that
+    synthesized, scored and trained afresh (reused stages would time short; None with no such
+    run), and how many runs they rest on."""
+    timed = ("synthesize", "facts", "teacher", "train")
+    found = []
+    for run in store.catalog.runs():
+        s = run["summary"] or {}
+        if (run["flow"] != "cartridge" or s.get("model_id") != model_id or s.get("machine") != machine_id()
+                or not s.get("steps") or "train_rows" not in s or set(timed) & set(s.get("skipped") or [])):
+            continue
+        found.append(Rates.of(s))
+    if not found:
+        return None, 0
+    return Rates(*(statistics.median(getattr(r, f.name) for r in found) for f in dataclasses.fields(Rates))), len(found)
 
 
 def pilot_config(config: PipelineConfig, workers: int = 1) -> PipelineConfig:

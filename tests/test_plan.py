@@ -13,7 +13,7 @@ from jobs.pipeline import pilot_paid, pilot_rates, run_pipeline
 from jobs.plan import (
     Rates,
     corpus_tokens,
-    estimate_seconds,
+    earlier_rates,
     fit_minutes,
     pilot_config,
     pilot_key,
@@ -46,17 +46,18 @@ def test_a_run_prints_its_plan_and_later_runs_estimate_from_the_earlier_ones(tmp
     corpus.write_text(CORPUS)
     lm, store = tiny_llama(), Store(tmp_path / "s")
     cfg = preset("smoke", {"synth": {"filter": False}, "budget": {"compression": 60}})
-    assert estimate_seconds(store, lm.compute_id, cfg) == (None, 0)
+    assert earlier_rates(store, lm.compute_id) == (None, 0)
     summary = run_pipeline(store, lm, [corpus], cfg)
     tokens = corpus_tokens(lm.tokenizer, [corpus])
     assert summary["p"] == math.ceil(tokens / 60)  # the trained cartridge holds the planned rows
     printed = capsys.readouterr().out
     assert f"plan: {tokens:,} corpus tokens -> {summary['p']:,} rows" in printed and "no estimate yet" in printed
-    seconds, runs = estimate_seconds(store, lm.compute_id, resolve(cfg, tokens))
-    expected = (cfg.chunks.conversations * summary["s_per_conversation"]
-                + steps_of(cfg) * summary["train_seconds"] / summary["steps"])
-    assert runs == 1 and seconds == pytest.approx(expected)
-    assert "from 1 earlier run)" in plan_line(resolve(cfg, tokens), tokens, (seconds, runs))
+    rates, runs = earlier_rates(store, lm.compute_id)
+    # the speeds, put back together for the same config, give the run's own duration (to a step's rounding)
+    assert runs == 1 and rates.seconds(resolve(cfg, tokens)) == pytest.approx(summary["seconds"], abs=rates.per_step)
+    assert "from 1 earlier run)" in plan_line(resolve(cfg, tokens), tokens, rates, "from 1 earlier run")
+    run_pipeline(store, lm, [corpus], cfg)  # every stage reused: its timings would plan too short
+    assert earlier_rates(store, lm.compute_id)[1] == 1
 
 
 def test_a_multi_turn_run_trains_on_every_turn_and_plans_its_steps(tmp_path):
@@ -67,7 +68,7 @@ def test_a_multi_turn_run_trains_on_every_turn_and_plans_its_steps(tmp_path):
     one = preset("smoke", {"synth": {"filter": False}})
     two = preset("smoke", {"synth": {"filter": False, "turns": 2}})
     assert steps_of(two) == math.ceil(2 * one.chunks.conversations * one.train.epochs / one.train.accum)
-    assert "conversations of 2 turns" in plan_line(two, 1000, (None, 0))
+    assert "conversations of 2 turns" in plan_line(two, 1000, None)
     summary = run_pipeline(store, lm, [corpus], two)
     train_planned = two.chunks.conversations  # held-out conversations come on top
     assert train_planned < summary["conversations"] <= 2 * train_planned
@@ -94,9 +95,9 @@ def test_a_time_budget_takes_the_most_conversations_that_fit():
     with pytest.raises(ConfigError, match="minutes"):
         PipelineConfig.from_dict({"budget": {"minutes": 30, "coverage": 2}})
     nothing_kept = {"steps": 0, "conversation_rows": 64, "stages": [], "seconds": 9.0, "train_seconds": 0.0,
-                    "train_conversations": 0}
+                    "train_conversations": 0, "train_rows": 56}
     with pytest.raises(CartridgeError, match="pilot run trained no step .* kept none of its 64"):
-        Rates.of(nothing_kept, PipelineConfig())
+        Rates.of(nothing_kept)
 
 
 def test_the_default_and_large_presets_are_time_budgets_that_given_conversations_replace():
@@ -142,6 +143,10 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     steps = slow.steps(fitted)  # the plan counts only the conversations the filter keeps
     assert f" {steps:,} training steps" in printed and steps < steps_of(fitted)
     assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
+    longer = cfg.replace(budget=cfg.budget.replace(minutes=0.6))  # a later run at other minutes: all of them
+    again = run_pipeline(store, lm, [corpus], longer)
+    assert again["budget"]["pilot_seconds"] == 0.0
+    assert again["budget"]["estimate_seconds"] == slow.seconds(fit_minutes(longer, slow))
 
 
 def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path, monkeypatch):
