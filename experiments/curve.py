@@ -9,14 +9,19 @@ point's store (finished synthesis shards and checkpoints are kept). Points run i
 order of increasing conversations, so the cheap end of the curve lands first.
 
     python -m experiments.curve run [--docs raft photosynthesis panama] [--seeds 7 8]
-        [--conversations 250 500 1000 2000] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
+        [--conversations 250 500 1000 2000 | --minutes 30] [--dtype bfloat16] [--out docs/quality/curve.jsonl]
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"]
         [--run-args "--task-runner dask --save-every 200"] [--reuse-default-store] [--json]
     python -m experiments.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
-        [--train-args "--focus --lr 2e-2"] [--markdown] [--json]
+        [--train-args "--focus --lr 2e-2"] [--minutes 30] [--markdown] [--json]
     python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
     python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--json]
+
+`--minutes M` points are sized by a time budget instead (`cartridges train --minutes M`, the
+default preset's kind): each runs in a fresh store, pays for its own pilot as a first run on a
+machine does, and is keyed by its minutes; its record gives the conversations the budget chose.
+They are a measurement of their own, apart from the curve: `plot --minutes M` shows them.
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -122,10 +127,15 @@ def doc_name(doc: str) -> str:
     return Path(doc).stem
 
 
+def size_key(minutes: float | None, n: int) -> int | str:
+    """A point's budget: its planned conversations, or its minutes for a time-budgeted point."""
+    return f"{minutes:g} min" if minutes else n
+
+
 def point_key(record: dict) -> tuple:
     """What makes two points the same measurement."""
-    return (record["doc"], int(record["seed"]), int(record["conversations_planned"]), record["dtype"],
-            record.get("eval_dtype"), tuple(record.get("extra_train_args") or ()),
+    return (record["doc"], int(record["seed"]), size_key(record.get("minutes"), int(record["conversations_planned"])),
+            record["dtype"], record.get("eval_dtype"), tuple(record.get("extra_train_args") or ()),
             tuple(record.get("extra_eval_args") or ()))
 
 
@@ -168,10 +178,12 @@ def append_record(path: Path, record: dict) -> None:
         os.fsync(fh.fileno())
 
 
-def point_dir(store: Path, doc: str, seed: int, n: int, dtype: str, extra: Sequence[str]) -> Path:
-    """<store>/<doc>-s<S>-n<N>, with a tag when the dtype or extra arguments differ from the
-    defaults, so another configuration does not overwrite the default point's cartridge."""
-    name = f"{doc}-s{seed}-n{n}"
+def point_dir(store: Path, doc: str, seed: int, n: int, dtype: str, extra: Sequence[str],
+              minutes: float | None = None) -> Path:
+    """<store>/<doc>-s<S>-n<N> (-m<M> for a time budget), with a tag when the dtype or extra
+    arguments differ from the defaults, so another configuration does not overwrite the default
+    point's cartridge."""
+    name = f"{doc}-s{seed}-" + (f"m{minutes:g}" if minutes else f"n{n}")
     if dtype != "bfloat16" or extra:
         name += "-" + hashlib.sha256(json.dumps([dtype, list(extra)]).encode()).hexdigest()[:8]
     return store / name
@@ -200,8 +212,9 @@ def smaller_point(store: Path, doc: str, seed: int, n: int, dtype: str, extra: S
 
 
 def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str],
-               run_args: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "train", "--corpus", str(doc_path(doc)), "--conversations", str(n),
+               run_args: Sequence[str] = (), minutes: float | None = None) -> list[str]:
+    size = ["--minutes", f"{minutes:g}"] if minutes else ["--conversations", str(n)]
+    return [sys.executable, "-m", "cli.main", "train", "--corpus", str(doc_path(doc)), *size,
             "--seed", str(seed), "--dtype", dtype, "--store", str(directory),
             "--save", str(directory / "cartridge.safetensors"), *extra, *run_args, "--json"]
 
@@ -217,7 +230,9 @@ def eval_argv(qa: Path, doc: str, cartridge: str, eval_store: Path, dtype: str, 
 
 def make_record(doc: str, seed: int, n: int, dtype: str, eval_dtype: str, extra: Sequence[str], train: dict,
                 evaluation: dict, train_wall: float, eval_wall: float, directory: Path,
-                extra_eval: Sequence[str] = ()) -> dict:
+                extra_eval: Sequence[str] = (), minutes: float | None = None) -> dict:
+    if minutes:  # the conversations the time budget chose
+        n = int((train.get("budget") or {}).get("conversations") or 0)
     record = {
         "version": VERSION, "status": "done", "doc": doc, "seed": seed, "conversations_planned": n,
         "conversations_used": train.get("conversations"), "planned_conversations_train": train.get(
@@ -227,6 +242,8 @@ def make_record(doc: str, seed: int, n: int, dtype: str, eval_dtype: str, extra:
         "cartridge": train.get("cartridge"), "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "questions": evaluation.get("questions"),
     }
+    if minutes:
+        record["minutes"] = minutes
     record["train"] = {k: train[k] for k in TRAIN_FIELDS if k in train}
     before, after = train.get("heldout_loss_before"), train.get("heldout_loss_after")
     record["heldout_change"] = (after - before) / before if before and after is not None else None
@@ -246,27 +263,32 @@ def plan(docs: Iterable[str], seeds: Iterable[int], conversations: Iterable[int]
 def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence[int], dtype: str, out: Path,
               store: Path, extra: Sequence[str] = (), eval_dtype: str = "float32", qa: Path = EVAL_DIR / "questions.jsonl",
               peers: bool = False, extra_eval: Sequence[str] = (), runner: Runner = run_command,
-              reuse_default: bool = False, reuse_of: Sequence[str] = (), run_args: Sequence[str] = ()) -> dict:
+              reuse_default: bool = False, reuse_of: Sequence[str] = (), run_args: Sequence[str] = (),
+              minutes: float | None = None) -> dict:
     """Run every point not yet in `out`; returns what ran, what was skipped and what failed.
+    `minutes`: points sized by that time budget instead of `conversations` (one per doc and seed),
+    each in a fresh store: a copied store would reuse work and time the budget short.
     `run_args`: train options that change how a point runs, not what it makes (`--task-runner
     dask`, `--save-every N`); they stay out of the point's key and store name.
     `reuse_default`: a point with extra train arguments starts from the store of the point whose
     train arguments are `reuse_of` (the default point's when empty)."""
     done = {point_key(r) for r in read_records(out)}
     ran, skipped, failed = [], [], []
-    points = plan(docs, seeds, conversations)
+    points = plan(docs, seeds, [0] if minutes else conversations)
     for i, (doc, seed, n) in enumerate(points, 1):
         name = doc_name(doc)
-        key = (name, seed, n, dtype, eval_dtype, tuple(extra), tuple(extra_eval))
-        label = f"{name} seed {seed} n {n}"
+        key = (name, seed, size_key(minutes, n), dtype, eval_dtype, tuple(extra), tuple(extra_eval))
+        label = f"{name} seed {seed} " + (f"{minutes:g} min" if minutes else f"n {n}")
         if key in done:
             log(f"curve: [{i}/{len(points)}] {label}: in {out}, skipped")
             skipped.append(label)
             continue
-        directory = point_dir(store, name, seed, n, dtype, extra)
+        directory = point_dir(store, name, seed, n, dtype, extra, minutes)
         default = point_dir(store, name, seed, n, dtype, reuse_of)
         seeded = None
-        if reuse_default and list(extra) != list(reuse_of) and seed_store(directory, default):
+        if minutes:  # a fresh store: reused work would time the budget short
+            pass
+        elif reuse_default and list(extra) != list(reuse_of) and seed_store(directory, default):
             seeded = default
         elif (smaller := smaller_point(store, name, seed, n, dtype, extra)) and seed_store(directory, smaller):
             seeded = smaller
@@ -274,7 +296,7 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             log(f"curve: {label}: store copied from {seeded}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
         start = time.perf_counter()
-        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra, run_args))
+        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra, run_args, minutes))
         train_wall = time.perf_counter() - start
         try:
             train = last_json(stdout)
@@ -303,7 +325,7 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             failed.append({"point": label, "stage": "eval", "reason": f"eval exit {code}"})
             continue
         record = make_record(name, seed, n, dtype, eval_dtype, extra, train, evaluation, train_wall, eval_wall,
-                             directory, extra_eval)
+                             directory, extra_eval, minutes)
         record["gold_nll_by_line"] = per_question(record, store / "eval-store")
         if seeded:
             record["store_seeded_from"] = str(seeded)  # its train wall leaves out what the copy held
@@ -340,11 +362,14 @@ def _acc(record: dict, arm: str) -> float | None:
 
 
 def aggregate(records: Sequence[dict]) -> list[dict]:
-    """One row per planned conversations: means over (doc, seed) points and their intervals.
-    Undefined closures (ICL not ahead of bare) are left out of a mean and counted."""
+    """One row per budget (planned conversations, or minutes): means over (doc, seed) points and
+    their intervals. Undefined closures (ICL not ahead of bare) are left out of a mean and counted."""
+    groups: dict[int | str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(size_key(r.get("minutes"), int(r["conversations_planned"])), []).append(r)
     rows = []
-    for n in sorted({int(r["conversations_planned"]) for r in records}):
-        group = [r for r in records if int(r["conversations_planned"]) == n]
+    for group in sorted(groups.values(), key=lambda g: _mean([int(r["conversations_planned"]) for r in g])):
+        n = round(_mean([int(r["conversations_planned"]) for r in group]))  # a time budget's sizes differ
         row: dict = {"conversations": n, "points": len(group),
                      "health_failed": sum(1 for r in group if (r.get("train") or {}).get("health") == "failed")}
         for name, short in (("icl_gap_closure_nll", "nll_closure"), ("icl_gap_closure", "acc_closure")):
@@ -360,6 +385,8 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
         row["train_wall_min"] = _mean([r["train_wall_s"] / 60 for r in group if r.get("train_wall_s") is not None])
         used = [r["conversations_used"] for r in group if r.get("conversations_used") is not None]
         row["conversations_used"] = _mean(used)
+        if group[0].get("minutes"):
+            row["minutes"] = group[0]["minutes"]
         rows.append(row)
     return rows
 
@@ -612,8 +639,9 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
              "| ICL | health failed | train min |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc_note = "" if r["acc_closure_points"] == r["points"] else f" [{r['acc_closure_points']} defined]"
+        budget = f" in {r['minutes']:g} min" if r.get("minutes") else ""
         lines.append(
-            f"| {r['conversations']:,} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
+            f"| {r['conversations']:,}{budget} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
             f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])} "
             f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{acc_note} | {_pct(r['bare_accuracy'])} "
             f"| {_pct(r['cartridge_accuracy'])}{_pct_ci(r['cartridge_accuracy_ci'])} | {_pct(r['icl_accuracy'])} "
@@ -694,18 +722,20 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
     os.replace(tmp, png)
 
 
-def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequence[str] | None = None) -> list[dict]:
-    """The points of one configuration (their extra train arguments) and of `docs`; None: all."""
+def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequence[str] | None = None,
+           minutes: float | None = None) -> list[dict]:
+    """The points of one configuration (their extra train arguments) and of `docs` (None: all), sized
+    by conversations or, given `minutes`, by that time budget."""
     return [r for r in records
             if (train_args is None or list(r.get("extra_train_args") or ()) == list(train_args))
-            and (docs is None or r["doc"] in docs)]
+            and (docs is None or r["doc"] in docs) and r.get("minutes") == minutes]
 
 
 def plot(outs: Sequence[Path], png: Path, train_args: Sequence[str] | None = None,
-         docs: Sequence[str] | None = None) -> dict:
+         docs: Sequence[str] | None = None, minutes: float | None = None) -> dict:
     """One configuration's curve: a mean over (doc, seed) per budget only means something within one,
     and over the same documents at every budget (`docs`)."""
-    records = select(read_all(outs), train_args, docs)
+    records = select(read_all(outs), train_args, docs, minutes)
     where = ", ".join(map(str, outs))
     if not records:
         which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
@@ -724,7 +754,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--docs", nargs="+", default=["raft", "photosynthesis", "panama"],
                    help="eval documents by name (docs/eval/NAME.md) or paths")
     p.add_argument("--seeds", nargs="+", type=int, default=[7, 8])
-    p.add_argument("--conversations", nargs="+", type=int, default=[250, 500, 1000, 2000])
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--conversations", nargs="+", type=int, default=[250, 500, 1000, 2000])
+    size.add_argument("--minutes", type=float, default=None,
+                      help="size each point by this time budget (`cartridges train --minutes`) instead")
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
                    help="training dtype (self-study)")
     p.add_argument("--eval-dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"),
@@ -751,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-args", default=None,
                    help="only the points run with these extra train arguments ('' for the defaults); default: all")
     p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
+    p.add_argument("--minutes", type=float, default=None, help="the points sized by this time budget")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("compare", help="two configurations' cartridges on the same questions (paired)")
@@ -809,14 +843,15 @@ def main(argv: list[str] | None = None) -> int:
                             Path(args.store).resolve(), shlex.split(args.extra_train_args), args.eval_dtype,
                             Path(args.qa).resolve(), args.peers, shlex.split(args.extra_eval_args),
                             reuse_default=args.reuse_default_store or args.reuse_store_of is not None,
-                            reuse_of=shlex.split(args.reuse_store_of or ""), run_args=shlex.split(args.run_args))
+                            reuse_of=shlex.split(args.reuse_store_of or ""), run_args=shlex.split(args.run_args),
+                            minutes=args.minutes)
         log(f"curve: {len(summary['ran'])} ran, {len(summary['skipped'])} skipped, {len(summary['failed'])} failed "
             f"of {summary['points']} points; results in {summary['out']}")
         if args.json:
             print(json.dumps(summary), flush=True)
         return 1 if summary["failed"] else 0
     result = plot([Path(o) for o in args.out], Path(args.png), None if args.train_args is None else shlex.split(args.train_args),
-                  args.docs)
+                  args.docs, args.minutes)
     records = result.pop("records")
     if args.markdown:
         print(markdown(records, result["rows"], result["fit"]))

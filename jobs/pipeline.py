@@ -77,7 +77,8 @@ def cartridge_run(
         spent = 0.0 if pilot_paid(store, pilot["run_id"]) else pilot["seconds"]
         config = fit_minutes(config, rates, spent)
         estimate = rates.seconds(config)
-        budget = {"minutes": config.budget.minutes, "estimate_seconds": estimate, "rates": dataclasses.asdict(rates),
+        budget = {"minutes": config.budget.minutes, "conversations": config.chunks.conversations,
+                  "estimate_seconds": estimate, "rates": dataclasses.asdict(rates),
                   "pilot": pilot["run_id"], "pilot_seconds": spent}
         print(rates_line(config, rates, source, spent), flush=True)
         print(plan_line(config, tokens, rates, "at the pilot's speeds"), flush=True)

@@ -412,3 +412,37 @@ def test_regions_split_a_points_closure_at_the_first_p_tokens(tmp_path):
     by = curve.closure_by_region(record, {"Intro"}, qa.read_text().splitlines())
     assert by["opening"] == {"questions": 1, "closure": pytest.approx(0.75)}
     assert by["rest"] == {"questions": 2, "closure": pytest.approx(1.0 / 4.0)}
+
+
+def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve(tmp_path):
+    out, store = tmp_path / "curve.jsonl", tmp_path / "store"
+
+    def runner(argv: list[str]) -> tuple[int, str]:
+        calls.append(argv)
+        if "train" in argv:
+            chosen = 500 if "raft.md" in argv[argv.index("--corpus") + 1] else 600
+            return 0, json.dumps({**_train_json(chosen), "budget": {"minutes": 30.0, "conversations": chosen}}) + "\n"
+        return 0, json.dumps(_eval_json(0.3)) + "\n"
+
+    calls: list[list[str]] = []
+    (store / "raft-s7-n8").mkdir(parents=True)
+    (store / "raft-s7-n8" / "catalog.duckdb").write_bytes(b"catalog")  # a smaller point is not copied
+    summary = curve.run_curve(["raft", "panama"], [7], [8], "float32", out, store, runner=runner, minutes=30)
+    assert summary["ran"] == ["raft seed 7 30 min", "panama seed 7 30 min"]
+    trains = [a for a in calls if "train" in a]
+    assert all(a[a.index("--minutes") + 1] == "30" and "--conversations" not in a for a in trains)
+    raft_store = Path(trains[0][trains[0].index("--store") + 1])
+    assert raft_store == curve.point_dir(store, "raft", 7, 0, "float32", [], 30) and raft_store.name.startswith(
+        "raft-s7-m30")
+    assert not raft_store.exists()  # a fresh store: nothing copied in
+    records = curve.read_records(out)
+    assert [(r["doc"], r["minutes"], r["conversations_planned"]) for r in records] == [
+        ("raft", 30, 500), ("panama", 30, 600)]
+    calls.clear()
+    assert curve.run_curve(["raft", "panama"], [7], [8], "float32", out, store, runner=runner, minutes=30)[
+        "skipped"] == ["raft seed 7 30 min", "panama seed 7 30 min"] and calls == []
+    assert curve.select(records, None) == []  # the curve's points are sized by conversations
+    rows = curve.aggregate(curve.select(records, None, minutes=30))
+    assert len(rows) == 1 and rows[0]["conversations"] == 550 and rows[0]["points"] == 2 and rows[0]["minutes"] == 30
+    assert rows[0]["nll_closure"] == pytest.approx(0.3)
+    assert "| 550 in 30 min (" in curve.markdown(records, rows, curve.fit(rows))

@@ -135,6 +135,7 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     fitted = fit_minutes(cfg, slow, pilot["seconds"])  # the first run it sizes pays for the pilot
     assert summary["budget"]["minutes"] == 0.5 and summary["budget"]["estimate_seconds"] == slow.seconds(fitted)
     assert summary["budget"]["pilot"] == pilot["run_id"] and summary["budget"]["pilot_seconds"] == pilot["seconds"]
+    assert summary["budget"]["conversations"] == fitted.chunks.conversations
     assert pilot_paid(store, pilot["run_id"])  # later runs it sizes get their whole minutes
     assert 0 < fitted.chunks.conversations < summary["planned_conversations"] <= fitted.chunks.conversations + 16
     printed = capsys.readouterr().out
