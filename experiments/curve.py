@@ -286,12 +286,11 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
         directory = point_dir(store, name, seed, n, dtype, extra, minutes)
         default = point_dir(store, name, seed, n, dtype, reuse_of)
         seeded = None
-        if minutes:  # a fresh store: reused work would time the budget short
-            pass
-        elif reuse_default and list(extra) != list(reuse_of) and seed_store(directory, default):
-            seeded = default
-        elif (smaller := smaller_point(store, name, seed, n, dtype, extra)) and seed_store(directory, smaller):
-            seeded = smaller
+        if not minutes:  # a time-budgeted point starts fresh: reused work would time its budget short
+            if reuse_default and list(extra) != list(reuse_of) and seed_store(directory, default):
+                seeded = default
+            elif (smaller := smaller_point(store, name, seed, n, dtype, extra)) and seed_store(directory, smaller):
+                seeded = smaller
         if seeded:
             log(f"curve: {label}: store copied from {seeded}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
