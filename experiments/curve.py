@@ -231,10 +231,9 @@ def eval_argv(qa: Path, doc: str, cartridge: str, eval_store: Path, dtype: str, 
 def make_record(doc: str, seed: int, n: int, dtype: str, eval_dtype: str, extra: Sequence[str], train: dict,
                 evaluation: dict, train_wall: float, eval_wall: float, directory: Path,
                 extra_eval: Sequence[str] = (), minutes: float | None = None) -> dict:
-    if minutes:  # the conversations the time budget chose
-        n = int((train.get("budget") or {}).get("conversations") or 0)
+    planned = int((train.get("budget") or {}).get("conversations") or 0) if minutes else n  # the budget chose
     record = {
-        "version": VERSION, "status": "done", "doc": doc, "seed": seed, "conversations_planned": n,
+        "version": VERSION, "status": "done", "doc": doc, "seed": seed, "conversations_planned": planned,
         "conversations_used": train.get("conversations"), "planned_conversations_train": train.get(
             "planned_conversations"), "dtype": dtype, "eval_dtype": eval_dtype, "extra_train_args": list(extra),
         "extra_eval_args": list(extra_eval),
@@ -278,7 +277,7 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
     for i, (doc, seed, n) in enumerate(points, 1):
         name = doc_name(doc)
         key = (name, seed, size_key(minutes, n), dtype, eval_dtype, tuple(extra), tuple(extra_eval))
-        label = f"{name} seed {seed} " + (f"{minutes:g} min" if minutes else f"n {n}")
+        label = f"{name} seed {seed} " + (size_key(minutes, n) if minutes else f"n {n}")
         if key in done:
             log(f"curve: [{i}/{len(points)}] {label}: in {out}, skipped")
             skipped.append(label)
