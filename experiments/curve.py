@@ -346,6 +346,36 @@ def points_ci(values: Sequence[float]) -> tuple[float, float] | None:
     return bootstrap_ci(values) if len(values) >= 2 else None
 
 
+def questions_ci(group: Sequence[dict], samples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+    """The 95% interval of the mean NLL closure over `group`'s points, resampling each document's
+    questions (one draw for all of its seeds, which answer the same questions): the documents and
+    seeds are the design, the questions the sample, so a handful of points still gets an interval
+    as wide as its questions leave it. None unless every point kept its per-question NLLs."""
+    import numpy as np
+
+    by_doc: dict[str, list[dict]] = {}
+    for r in group:
+        if not r.get("gold_nll_by_line"):
+            return None
+        by_doc.setdefault(r["doc"], []).append(eval_answers(r, Path()))
+    rng = np.random.default_rng(seed)
+    total = np.zeros(samples)
+    for points in by_doc.values():
+        lines = sorted(set.intersection(*({k for k, arms in p.items() if {"bare", "cartridge", "icl"} <= arms.keys()}
+                                          for p in points)))
+        if len(lines) < 2:
+            return None
+        draw = rng.integers(0, len(lines), size=(samples, len(lines)))
+        for p in points:
+            gain = np.array([p[k]["bare"] - p[k]["cartridge"] for k in lines])[draw].mean(axis=1)
+            gap = np.array([p[k]["bare"] - p[k]["icl"] for k in lines])[draw].mean(axis=1)
+            total += np.where(gap > 0, gain / np.where(gap > 0, gap, 1.0), np.nan)  # no gap: no closure
+    means = total[~np.isnan(total)] / len(group)
+    if means.size < samples / 2:
+        return None
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -361,7 +391,8 @@ def _acc(record: dict, arm: str) -> float | None:
 
 def aggregate(records: Sequence[dict]) -> list[dict]:
     """One row per budget (planned conversations, or minutes): means over (doc, seed) points and
-    their intervals. Undefined closures (ICL not ahead of bare) are left out of a mean and counted."""
+    their intervals (for NLL closure, over questions where every point kept them, else over points).
+    Undefined closures (ICL not ahead of bare) are left out of a mean and counted."""
     groups: dict[int | str, list[dict]] = {}
     for r in records:
         groups.setdefault(size_key(r.get("minutes"), int(r["conversations_planned"])), []).append(r)
@@ -375,6 +406,9 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
             row[short] = _mean(vals)
             row[f"{short}_ci"] = points_ci(vals)
             row[f"{short}_points"] = len(vals)
+        row["nll_closure_ci_over"] = "points"
+        if (by_questions := questions_ci(group)) is not None:
+            row["nll_closure_ci"], row["nll_closure_ci_over"] = by_questions, "questions"
         for arm in ARMS:
             row[f"{arm}_accuracy"] = _mean([v for v in (_acc(r, arm) for r in group) if v is not None])
         # bare and in context score the same on every seed of a document; only the cartridge varies
@@ -640,12 +674,13 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
         budget = f" in {r['minutes']:g} min" if r.get("minutes") else ""
         lines.append(
             f"| {r['conversations']:,}{budget} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
-            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])} "
+            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])}{'*' * (r['nll_closure_ci_over'] == 'points')} "
             f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{acc_note} | {_pct(r['bare_accuracy'])} "
             f"| {_pct(r['cartridge_accuracy'])}{_pct_ci(r['cartridge_accuracy_ci'])} | {_pct(r['icl_accuracy'])} "
             f"| {r['health_failed']} "
             f"| {_num(r['train_wall_min'], '{:.1f}')} |")
-    lines += ["", fit_line(f), "",
+    lines += ["", "NLL closure intervals resample each document's questions (* : points, where a point kept no "
+              "per-question NLLs); accuracy intervals resample points.", "", fit_line(f), "",
               "| doc | seed | conversations (used) | train args | held-out change | bare / cartridge / ICL accuracy "
               "| gold NLL bare / cartridge / ICL | NLL closure (95% CI) | accuracy closure (95% CI) | fact coverage "
               "| train min | eval min |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -729,7 +764,7 @@ def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequ
             and (docs is None or r["doc"] in docs) and r.get("minutes") == minutes]
 
 
-def plot(outs: Sequence[Path], png: Path, train_args: Sequence[str] | None = None,
+def plot(outs: Sequence[Path], png: Path | None, train_args: Sequence[str] | None = None,
          docs: Sequence[str] | None = None, minutes: float | None = None) -> dict:
     """One configuration's curve: a mean over (doc, seed) per budget only means something within one,
     and over the same documents at every budget (`docs`)."""
@@ -740,8 +775,9 @@ def plot(outs: Sequence[Path], png: Path, train_args: Sequence[str] | None = Non
         raise SystemExit(f"curve: {where} holds no finished point{which}; run `python -m experiments.curve run` first")
     rows = aggregate(records)
     f = fit(rows)
-    plot_png(records, rows, f, png)
-    return {"out": [str(o) for o in outs], "png": str(png), "points": len(records), "rows": rows, "fit": f,
+    if png is not None:
+        plot_png(records, rows, f, png)
+    return {"out": [str(o) for o in outs], "png": None if png is None else str(png), "points": len(records), "rows": rows, "fit": f,
             "train_args": None if train_args is None else list(train_args), "records": records}
 
 
@@ -778,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("plot", help="the curve as a PNG, a Markdown table and a log-linear fit")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to look in")
-    p.add_argument("--png", default=DEFAULT_PNG)
+    p.add_argument("--png", default=None,
+                   help=f"where to draw the curve (default {DEFAULT_PNG}; none for --minutes, one budget is no curve)")
     p.add_argument("--train-args", default=None,
                    help="only the points run with these extra train arguments ('' for the defaults); default: all")
     p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
@@ -848,14 +885,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps(summary), flush=True)
         return 1 if summary["failed"] else 0
-    result = plot([Path(o) for o in args.out], Path(args.png), None if args.train_args is None else shlex.split(args.train_args),
+    png = args.png or (None if args.minutes else DEFAULT_PNG)
+    result = plot([Path(o) for o in args.out], None if png is None else Path(png), None if args.train_args is None else shlex.split(args.train_args),
                   args.docs, args.minutes)
     records = result.pop("records")
     if args.markdown:
         print(markdown(records, result["rows"], result["fit"]))
     else:
         print(fit_line(result["fit"]))
-    print(f"plot: {result['png']} ({result['points']} points)")
+    print(f"plot: {result['png'] or 'no PNG'} ({result['points']} points)")
     if args.json:
         print(json.dumps(result), flush=True)
     return 0

@@ -168,6 +168,35 @@ def _synthetic(doc: str, seed: int, n: int, nll: float | None, acc: float | None
                              curve.Path("/s"))
 
 
+def _with_questions(doc: str, seed: int, nll: dict[str, list[float]]) -> dict:
+    """A point whose record kept per-question gold NLLs (arm -> one value per question line)."""
+    r = _synthetic(doc, seed, 30, None, None)
+    r["minutes"] = 30
+    r["gold_nll_by_line"] = {str(i): {arm: v[i] for arm, v in nll.items()} for i in range(len(nll["bare"]))}
+    return r
+
+
+def test_a_mean_over_points_resamples_each_documents_questions():
+    from cartridges.evaluation.scoring import closure_ci
+
+    rng = __import__("numpy").random.default_rng(3)
+    bare = list(rng.uniform(4, 6, 40))
+    raft = {"bare": bare, "icl": [b - rng.uniform(0.5, 2.5) for b in bare],
+            "cartridge": [b - rng.uniform(-0.5, 1.5) for b in bare]}
+    one = _with_questions("raft", 7, raft)
+    # one point: the eval's own closure interval over the same questions (lower NLL is better)
+    expected, _ = closure_ci(*([-x for x in raft[arm]] for arm in ("cartridge", "bare", "icl")), min_gap=0.0)
+    assert curve.questions_ci([one]) == pytest.approx(expected, abs=0.03)
+    # a second seed answering the same questions alike is drawn with the same questions: no narrower
+    assert curve.questions_ci([one, _with_questions("raft", 8, raft)]) == pytest.approx(curve.questions_ci([one]))
+    # aggregate uses it for the NLL closure and says so; a point with no per-question NLLs falls back to points
+    row, = curve.aggregate([one, _with_questions("raft", 8, raft)])
+    assert row["nll_closure_ci_over"] == "questions" and row["nll_closure_ci"] == curve.questions_ci([one])
+    bare_point = {**one, "seed": 9, "gold_nll_by_line": None}
+    row, = curve.aggregate([one, bare_point])
+    assert row["nll_closure_ci_over"] == "points" and curve.questions_ci([one, bare_point]) is None
+
+
 def test_aggregate_and_fit_match_a_hand_computation():
     records = [_synthetic("raft", 7, 100, 0.0, 0.1), _synthetic("panama", 7, 100, 0.2, None),
                _synthetic("raft", 7, 1000, 0.2, 0.3, cart=0.75), _synthetic("panama", 7, 1000, 0.4, 0.5, cart=0.25)]
@@ -414,7 +443,7 @@ def test_regions_split_a_points_closure_at_the_first_p_tokens(tmp_path):
     assert by["rest"] == {"questions": 2, "closure": pytest.approx(1.0 / 4.0)}
 
 
-def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve(tmp_path):
+def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve(tmp_path, monkeypatch, capsys):
     out, store = tmp_path / "curve.jsonl", tmp_path / "store"
 
     def runner(argv: list[str]) -> tuple[int, str]:
@@ -446,3 +475,8 @@ def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve
     assert len(rows) == 1 and rows[0]["conversations"] == 550 and rows[0]["points"] == 2 and rows[0]["minutes"] == 30
     assert rows[0]["nll_closure"] == pytest.approx(0.3)
     assert "| 550 in 30 min (" in curve.markdown(records, rows, curve.fit(rows))
+    # one budget is no curve: `plot --minutes` draws no PNG, so it leaves the committed curve alone
+    monkeypatch.chdir(tmp_path)
+    assert curve.main(["plot", "--out", str(out), "--minutes", "30", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["png"] is None
+    assert not (tmp_path / curve.DEFAULT_PNG).exists()
