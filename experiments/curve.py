@@ -355,9 +355,9 @@ def questions_ci(group: Sequence[dict], samples: int = 2000, seed: int = 0) -> t
 
     by_doc: dict[str, list[dict]] = {}
     for r in group:
-        if not r.get("gold_nll_by_line"):
+        if (answers := kept_answers(r)) is None:
             return None
-        by_doc.setdefault(r["doc"], []).append(eval_answers(r, Path()))
+        by_doc.setdefault(r["doc"], []).append(answers)
     rng = np.random.default_rng(seed)
     total = np.zeros(samples)
     for points in by_doc.values():
@@ -460,13 +460,18 @@ def fit(rows: Sequence[dict], key: str = "nll_closure", target: float = TARGET) 
 # ---- paired comparison of two configurations on the same questions
 
 
+def kept_answers(record: dict) -> dict[int, dict[str, float]] | None:
+    """The per-question gold NLLs the record kept itself, or None for a record that kept none."""
+    kept = record.get("gold_nll_by_line")
+    return {int(line): {arm: float(v) for arm, v in arms.items()} for line, arms in kept.items()} if kept else None
+
+
 def eval_answers(record: dict, eval_store: Path) -> dict[int, dict[str, float]]:
     """Per question line: each arm's gold-option NLL. A record keeps them itself (`gold_nll_by_line`),
     so a committed results file pairs without its stores; older records fall back to the eval that
     scored this point's cartridge."""
-    kept = record.get("gold_nll_by_line")
-    if kept:
-        return {int(line): {arm: float(v) for arm, v in arms.items()} for line, arms in kept.items()}
+    if (kept := kept_answers(record)) is not None:
+        return kept
     for result in sorted(eval_store.glob("eval/*/result.json")):
         if json.loads(result.read_text()).get("cartridges") != [record["cartridge"]]:
             continue
@@ -674,7 +679,7 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
         budget = f" in {r['minutes']:g} min" if r.get("minutes") else ""
         lines.append(
             f"| {r['conversations']:,}{budget} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
-            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])}{'*' * (r['nll_closure_ci_over'] == 'points')} "
+            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])}{'*' * (r['nll_closure_ci_over'] == 'points' and bool(r['nll_closure_ci']))} "
             f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{acc_note} | {_pct(r['bare_accuracy'])} "
             f"| {_pct(r['cartridge_accuracy'])}{_pct_ci(r['cartridge_accuracy_ci'])} | {_pct(r['icl_accuracy'])} "
             f"| {r['health_failed']} "
