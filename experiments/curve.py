@@ -42,7 +42,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -353,6 +353,8 @@ def questions_ci(group: Sequence[dict], samples: int = 2000, seed: int = 0) -> t
     as wide as its questions leave it. None unless every point kept its per-question NLLs."""
     import numpy as np
 
+    from cartridges.evaluation.scoring import resampled_closures
+
     by_doc: dict[str, list[dict]] = {}
     for r in group:
         if (answers := kept_answers(r)) is None:
@@ -361,15 +363,12 @@ def questions_ci(group: Sequence[dict], samples: int = 2000, seed: int = 0) -> t
     rng = np.random.default_rng(seed)
     total = np.zeros(samples)
     for points in by_doc.values():
-        lines = sorted(set.intersection(*({k for k, arms in p.items() if {"bare", "cartridge", "icl"} <= arms.keys()}
-                                          for p in points)))
+        lines = scored_lines(points, [SCORED] * len(points))
         if len(lines) < 2:
             return None
         draw = rng.integers(0, len(lines), size=(samples, len(lines)))
-        for p in points:
-            gain = np.array([p[k]["bare"] - p[k]["cartridge"] for k in lines])[draw].mean(axis=1)
-            gap = np.array([p[k]["bare"] - p[k]["icl"] for k in lines])[draw].mean(axis=1)
-            total += np.where(gap > 0, gain / np.where(gap > 0, gap, 1.0), np.nan)  # no gap: no closure
+        for p in points:  # NLL is lower-is-better: negate for the closure's higher-is-better values
+            total += resampled_closures(*([-p[k][arm] for k in lines] for arm in ("cartridge", "bare", "icl")), draw)
     means = total[~np.isnan(total)] / len(group)
     if means.size < samples / 2:
         return None
@@ -401,14 +400,13 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
         n = round(_mean([int(r["conversations_planned"]) for r in group]))  # a time budget's sizes differ
         row: dict = {"conversations": n, "points": len(group),
                      "health_failed": sum(1 for r in group if (r.get("train") or {}).get("health") == "failed")}
+        by_questions = questions_ci(group)
         for name, short in (("icl_gap_closure_nll", "nll_closure"), ("icl_gap_closure", "acc_closure")):
             vals = [v for v in (_closure(r, name) for r in group) if v is not None]
             row[short] = _mean(vals)
-            row[f"{short}_ci"] = points_ci(vals)
+            row[f"{short}_ci"] = by_questions if short == "nll_closure" and by_questions else points_ci(vals)
             row[f"{short}_points"] = len(vals)
-        row["nll_closure_ci_over"] = "points"
-        if (by_questions := questions_ci(group)) is not None:
-            row["nll_closure_ci"], row["nll_closure_ci_over"] = by_questions, "questions"
+        row["nll_closure_ci_over"] = "questions" if by_questions else "points"
         for arm in ARMS:
             row[f"{arm}_accuracy"] = _mean([v for v in (_acc(r, arm) for r in group) if v is not None])
         # bare and in context score the same on every seed of a document; only the cartridge varies
@@ -460,6 +458,15 @@ def fit(rows: Sequence[dict], key: str = "nll_closure", target: float = TARGET) 
 # ---- paired comparison of two configurations on the same questions
 
 
+SCORED = frozenset({"bare", "cartridge", "icl"})
+
+
+def scored_lines(points: Sequence[dict[int, dict[str, float]]], arms: Sequence[Collection[str]]) -> list[int]:
+    """The question lines on which each point scored its arms (`points[i]` needs `arms[i]`)."""
+    return sorted(set.intersection(*({k for k, got in p.items() if set(need) <= got.keys()}
+                                     for p, need in zip(points, arms, strict=True))))
+
+
 def kept_answers(record: dict) -> dict[int, dict[str, float]] | None:
     """The per-question gold NLLs the record kept itself, or None for a record that kept none."""
     kept = record.get("gold_nll_by_line")
@@ -502,8 +509,7 @@ def question_changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, floa
     a's mean bare-to-ICL gap over them."""
     import numpy as np
 
-    lines = sorted(k for k in a.keys() & b.keys() if {"cartridge", "bare", "icl"} <= a[k].keys()
-                   and "cartridge" in b[k])
+    lines = scored_lines([a, b], [SCORED, {"cartridge"}])
     if len(lines) < 2:
         raise SystemExit("curve: fewer than two questions scored by both points")
     diff = np.array([b[k]["cartridge"] - a[k]["cartridge"] for k in lines])

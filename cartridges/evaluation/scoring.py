@@ -165,26 +165,36 @@ def gap_closure(cartridge: float, bare: float, icl: float, n: int,
     return (cartridge - bare) / (icl - bare), None
 
 
+def resampled_closures(cartridge: Sequence[float], bare: Sequence[float], icl: Sequence[float],
+                       draw: np.ndarray, min_gap: float = 0.0) -> np.ndarray:
+    """The gap closure on each row of `draw` (indices into the per-question lists), NaN where
+    the ICL mean does not beat bare by more than 0 and at least `min_gap`, as `gap_closure`
+    refuses one. Callers share one draw to keep arms, or several points, paired on the same
+    questions.
+
+    Per-question values are higher-is-better and aligned across the three arms.
+    """
+    c, b, i = (np.asarray(v, dtype=float) for v in (cartridge, bare, icl))
+    if not c.size == b.size == i.size or c.size == 0:
+        raise ValueError(f"closure needs equal non-empty per-question lists, got {c.size}, {b.size}, {i.size}")
+    mc, mb, mi = c[draw].mean(axis=1), b[draw].mean(axis=1), i[draw].mean(axis=1)
+    gap = mi - mb
+    ok = (gap > 0) & (gap >= min_gap - 1e-9)
+    return np.where(ok, (mc - mb) / np.where(ok, gap, 1.0), np.nan)
+
+
 def closure_ci(cartridge: Sequence[float], bare: Sequence[float], icl: Sequence[float], min_gap: float,
                samples: int = 2000, seed: int = 0) -> tuple[tuple[float, float] | None, int]:
     """95% percentile interval of the gap closure, resampling questions, and how many
     resamples had no defined closure.
 
-    Per-question values are higher-is-better and aligned across the three arms; each
-    resample draws the same questions for all three, so the arms stay paired (their
-    differences, not their separate spreads, set the width). A resample whose ICL
-    mean does not beat bare by more than 0 and at least `min_gap` has no ratio and
-    is left out, as `gap_closure` refuses one.
+    Each resample draws the same questions for all three arms, so the arms stay paired
+    (their differences, not their separate spreads, set the width).
     """
-    c, b, i = (np.asarray(v, dtype=float) for v in (cartridge, bare, icl))
-    if not c.size == b.size == i.size or c.size == 0:
-        raise ValueError(f"closure_ci needs equal non-empty per-question lists, got {c.size}, {b.size}, {i.size}")
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, c.size, size=(samples, c.size))
-    mc, mb, mi = c[idx].mean(axis=1), b[idx].mean(axis=1), i[idx].mean(axis=1)
-    gap = mi - mb
-    ok = (gap > 0) & (gap >= min_gap - 1e-9)
-    if not ok.any():
+    n = len(cartridge)
+    draw = np.random.default_rng(seed).integers(0, max(n, 1), size=(samples, n))
+    ratio = resampled_closures(cartridge, bare, icl, draw, min_gap)
+    ratio = ratio[~np.isnan(ratio)]
+    if not ratio.size:
         return None, samples
-    ratio = (mc[ok] - mb[ok]) / gap[ok]
-    return (float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))), int(samples - ok.sum())
+    return (float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))), int(samples - ratio.size)
