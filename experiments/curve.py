@@ -324,7 +324,8 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             continue
         record = make_record(name, seed, n, dtype, eval_dtype, extra, train, evaluation, train_wall, eval_wall,
                              directory, extra_eval, minutes)
-        record["gold_nll_by_line"] = per_question(record, store / "eval-store")
+        for field, key in KEPT.items():
+            record[key] = per_question(record, store / "eval-store", field)
         if seeded:
             record["store_seeded_from"] = str(seeded)  # its train wall leaves out what the copy held
         append_record(out, record)
@@ -346,18 +347,20 @@ def points_ci(values: Sequence[float]) -> tuple[float, float] | None:
     return bootstrap_ci(values) if len(values) >= 2 else None
 
 
-def questions_ci(group: Sequence[dict], samples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
-    """The 95% interval of the mean NLL closure over `group`'s points, resampling each document's
-    questions (one draw for all of its seeds, which answer the same questions): the documents and
-    seeds are the design, the questions the sample, so a handful of points still gets an interval
-    as wide as its questions leave it. None unless every point kept its per-question NLLs."""
+def questions_ci(group: Sequence[dict], field: str = "gold_nll", samples: int = 2000,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """The 95% interval of the mean closure on `field` ("gold_nll" or "correct") over `group`'s
+    points, resampling each document's questions (one draw for all of its seeds, which answer the
+    same questions): the documents and seeds are the design, the questions the sample, so a handful
+    of points still gets an interval as wide as its questions leave it. None unless every point
+    kept its per-question values, or when most resamples leave some point's closure undefined."""
     import numpy as np
 
     from cartridges.evaluation.scoring import resampled_closures
 
     by_doc: dict[str, list[dict]] = {}
     for r in group:
-        if (answers := kept_answers(r)) is None:
+        if (answers := kept_answers(r, field)) is None:
             return None
         by_doc.setdefault(r["doc"], []).append(answers)
     rng = np.random.default_rng(seed)
@@ -367,8 +370,12 @@ def questions_ci(group: Sequence[dict], samples: int = 2000, seed: int = 0) -> t
         if len(lines) < 2:
             return None
         draw = rng.integers(0, len(lines), size=(samples, len(lines)))
-        for p in points:  # NLL is lower-is-better: negate for the closure's higher-is-better values
-            total += resampled_closures(*([-p[k][arm] for k in lines] for arm in ("cartridge", "bare", "icl")), draw)
+        # NLL is lower-is-better: negated for the closure's higher-is-better values; accuracy's
+        # closure needs ICL ahead by two questions, as the eval's `gap_closure` does
+        sign, min_gap = (-1.0, 0.0) if field == "gold_nll" else (1.0, 2 / len(lines))
+        for p in points:
+            total += resampled_closures(*([sign * p[k][arm] for k in lines] for arm in ("cartridge", "bare", "icl")),
+                                        draw, min_gap)
     means = total[~np.isnan(total)] / len(group)
     if means.size < samples / 2:
         return None
@@ -400,13 +407,14 @@ def aggregate(records: Sequence[dict]) -> list[dict]:
         n = round(_mean([int(r["conversations_planned"]) for r in group]))  # a time budget's sizes differ
         row: dict = {"conversations": n, "points": len(group),
                      "health_failed": sum(1 for r in group if (r.get("train") or {}).get("health") == "failed")}
-        by_questions = questions_ci(group)
-        for name, short in (("icl_gap_closure_nll", "nll_closure"), ("icl_gap_closure", "acc_closure")):
+        for name, short, field in (("icl_gap_closure_nll", "nll_closure", "gold_nll"),
+                                   ("icl_gap_closure", "acc_closure", "correct")):
             vals = [v for v in (_closure(r, name) for r in group) if v is not None]
             row[short] = _mean(vals)
-            row[f"{short}_ci"] = by_questions if short == "nll_closure" and by_questions else points_ci(vals)
+            by_questions = questions_ci(group, field)
+            row[f"{short}_ci"] = by_questions or points_ci(vals)
+            row[f"{short}_ci_over"] = "questions" if by_questions else "points"
             row[f"{short}_points"] = len(vals)
-        row["nll_closure_ci_over"] = "questions" if by_questions else "points"
         for arm in ARMS:
             row[f"{arm}_accuracy"] = _mean([v for v in (_acc(r, arm) for r in group) if v is not None])
         # bare and in context score the same on every seed of a document; only the cartridge varies
@@ -467,17 +475,20 @@ def scored_lines(points: Sequence[dict[int, dict[str, float]]], arms: Sequence[C
                                      for p, need in zip(points, arms, strict=True))))
 
 
-def kept_answers(record: dict) -> dict[int, dict[str, float]] | None:
-    """The per-question gold NLLs the record kept itself, or None for a record that kept none."""
-    kept = record.get("gold_nll_by_line")
+KEPT = {"gold_nll": "gold_nll_by_line", "correct": "correct_by_line"}  # answers field -> record key
+
+
+def kept_answers(record: dict, field: str = "gold_nll") -> dict[int, dict[str, float]] | None:
+    """The per-question values of `field` the record kept itself, or None for a record that kept none."""
+    kept = record.get(KEPT[field])
     return {int(line): {arm: float(v) for arm, v in arms.items()} for line, arms in kept.items()} if kept else None
 
 
-def eval_answers(record: dict, eval_store: Path) -> dict[int, dict[str, float]]:
-    """Per question line: each arm's gold-option NLL. A record keeps them itself (`gold_nll_by_line`),
-    so a committed results file pairs without its stores; older records fall back to the eval that
-    scored this point's cartridge."""
-    if (kept := kept_answers(record)) is not None:
+def eval_answers(record: dict, eval_store: Path, field: str = "gold_nll") -> dict[int, dict[str, float]]:
+    """Per question line: each arm's `field` (the gold option's NLL, or 1.0 / 0.0 for a correct
+    choice). A record keeps them itself (`KEPT`), so a committed results file pairs without its
+    stores; older records fall back to the eval that scored this point's cartridge."""
+    if (kept := kept_answers(record, field)) is not None:
         return kept
     for result in sorted(eval_store.glob("eval/*/result.json")):
         if json.loads(result.read_text()).get("cartridges") != [record["cartridge"]]:
@@ -485,18 +496,18 @@ def eval_answers(record: dict, eval_store: Path) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
         for line in (result.parent / "answers.jsonl").read_text().splitlines():
             row = json.loads(line)
-            if row.get("gold_nll") is not None:
-                out.setdefault(int(row["line"]), {})[row["arm"]] = float(row["gold_nll"])
+            if row.get(field) is not None:
+                out.setdefault(int(row["line"]), {})[row["arm"]] = float(row[field])
         return out
     raise SystemExit(f"curve: no eval in {eval_store} scored {record['cartridge']}")
 
 
-def per_question(record: dict, eval_store: Path) -> dict[str, dict[str, float]] | None:
+def per_question(record: dict, eval_store: Path, field: str = "gold_nll") -> dict[str, dict[str, float]] | None:
     """What a record keeps of its eval's answers (JSON keys are strings); None when the eval left none."""
     try:
-        answers = eval_answers(record, eval_store)
+        answers = eval_answers(record, eval_store, field)
     except SystemExit as exc:
-        log(f"{exc}; the record keeps no per-question NLLs")
+        log(f"{exc}; the record keeps no per-question {field}")
         return None
     return {str(line): arms for line, arms in sorted(answers.items())}
 
@@ -677,6 +688,11 @@ def fit_line(f: dict) -> str:
             f"reaches {f['target']} at about {f['n_at_target']:,.0f} conversations ({where}, {f['points']} means)")
 
 
+def _over(row: dict, short: str) -> str:
+    """The mark of an interval that resampled points instead of questions."""
+    return "*" if row[f"{short}_ci_over"] == "points" and row[f"{short}_ci"] else ""
+
+
 def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
     lines = ["| conversations (used) | points | NLL closure (95% CI) | accuracy closure (95% CI) | bare | cartridge "
              "| ICL | health failed | train min |", "|---|---|---|---|---|---|---|---|---|"]
@@ -685,13 +701,14 @@ def markdown(records: Sequence[dict], rows: Sequence[dict], f: dict) -> str:
         budget = f" in {r['minutes']:g} min" if r.get("minutes") else ""
         lines.append(
             f"| {r['conversations']:,}{budget} ({_num(r['conversations_used'], '{:.0f}')}) | {r['points']} "
-            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])}{'*' * (r['nll_closure_ci_over'] == 'points' and bool(r['nll_closure_ci']))} "
-            f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{acc_note} | {_pct(r['bare_accuracy'])} "
+            f"| {_num(r['nll_closure'])}{_ci(r['nll_closure_ci'])}{_over(r, 'nll_closure')} "
+            f"| {_num(r['acc_closure'])}{_ci(r['acc_closure_ci'])}{_over(r, 'acc_closure')}{acc_note} "
+            f"| {_pct(r['bare_accuracy'])} "
             f"| {_pct(r['cartridge_accuracy'])}{_pct_ci(r['cartridge_accuracy_ci'])} | {_pct(r['icl_accuracy'])} "
             f"| {r['health_failed']} "
             f"| {_num(r['train_wall_min'], '{:.1f}')} |")
-    lines += ["", "NLL closure intervals resample each document's questions (* : points, where a point kept no "
-              "per-question NLLs); accuracy intervals resample points.", "", fit_line(f), "",
+    lines += ["", "Closure intervals resample each document's questions (* : the (doc, seed) points, where a "
+              "point kept no per-question values or most resamples leave one undefined).", "", fit_line(f), "",
               "| doc | seed | conversations (used) | train args | held-out change | bare / cartridge / ICL accuracy "
               "| gold NLL bare / cartridge / ICL | NLL closure (95% CI) | accuracy closure (95% CI) | fact coverage "
               "| train min | eval min |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -168,11 +168,15 @@ def _synthetic(doc: str, seed: int, n: int, nll: float | None, acc: float | None
                              curve.Path("/s"))
 
 
-def _with_questions(doc: str, seed: int, nll: dict[str, list[float]]) -> dict:
-    """A point whose record kept per-question gold NLLs (arm -> one value per question line)."""
+def _with_questions(doc: str, seed: int, nll: dict[str, list[float]],
+                    correct: dict[str, list[float]] | None = None) -> dict:
+    """A point whose record kept per-question gold NLLs and, if given, correctness (arm -> one
+    value per question line)."""
     r = _synthetic(doc, seed, 30, None, None)
     r["minutes"] = 30
-    r["gold_nll_by_line"] = {str(i): {arm: v[i] for arm, v in nll.items()} for i in range(len(nll["bare"]))}
+    for key, values in (("gold_nll_by_line", nll), ("correct_by_line", correct)):
+        r[key] = {str(i): {arm: v[i] for arm, v in values.items()} for i in range(len(values["bare"]))} \
+            if values else None
     return r
 
 
@@ -195,6 +199,29 @@ def test_a_mean_over_points_resamples_each_documents_questions():
     bare_point = {**one, "seed": 9, "gold_nll_by_line": None}
     row, = curve.aggregate([one, bare_point])
     assert row["nll_closure_ci_over"] == "points" and curve.questions_ci([one, bare_point]) is None
+
+
+def test_a_mean_accuracy_closure_resamples_questions_where_points_kept_correctness():
+    from cartridges.evaluation.scoring import closure_ci
+
+    rng = __import__("numpy").random.default_rng(5)
+    bare = rng.uniform(4, 6, 40)
+    nll = {"bare": list(bare), "icl": list(bare - rng.uniform(0.5, 2.5, 40)), "cartridge": list(bare - 0.5)}
+    correct = {"bare": [float(x < 0.3) for x in rng.uniform(size=40)],
+               "icl": [float(x < 0.7) for x in rng.uniform(size=40)],
+               "cartridge": [float(x < 0.45) for x in rng.uniform(size=40)]}
+    one = _with_questions("raft", 7, nll, correct)
+    # one point: the eval's own accuracy-closure interval, ICL ahead by at least two questions
+    expected, _ = closure_ci(correct["cartridge"], correct["bare"], correct["icl"], min_gap=2 / 40)
+    assert curve.questions_ci([one], "correct") == pytest.approx(expected)
+    row, = curve.aggregate([one, _with_questions("raft", 8, nll, correct)])
+    assert row["acc_closure_ci_over"] == "questions" and row["acc_closure_ci"] == pytest.approx(expected)
+    # a point that kept no correctness: accuracy falls back to points, and the table marks it
+    row, = curve.aggregate([one, _with_questions("raft", 8, nll)])
+    assert row["acc_closure_ci_over"] == "points" and row["nll_closure_ci_over"] == "questions"
+    # ICL no better than bare on every draw: no closure, so no interval over questions
+    flat = _with_questions("raft", 7, nll, {**correct, "icl": correct["bare"]})
+    assert curve.questions_ci([flat], "correct") is None
 
 
 def test_aggregate_and_fit_match_a_hand_computation():
@@ -295,7 +322,8 @@ def _fake_eval(store: Path, name: str, cartridge: str, gold: dict[str, list[floa
     d = store / "eval-store" / "eval" / name
     d.mkdir(parents=True)
     (d / "result.json").write_text(json.dumps({"cartridges": [cartridge]}))
-    rows = [{"arm": arm, "line": i + 1, "gold_nll": v} for arm, vals in gold.items() for i, v in enumerate(vals)]
+    rows = [{"arm": arm, "line": i + 1, "gold_nll": v, "correct": v < 5.5}
+            for arm, vals in gold.items() for i, v in enumerate(vals)]
     (d / "answers.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
@@ -377,6 +405,8 @@ def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
     records = curve.read_records(out)
     assert [r["gold_nll_by_line"]["3"] for r in records] == [
         {"bare": 7.0, "icl": 5.0, "cartridge": 6.0}, {"bare": 7.0, "icl": 5.0, "cartridge": 5.0}]
+    assert [r["correct_by_line"]["3"] for r in records] == [  # correct: the fake eval's gold NLL < 5.5
+        {"bare": 0.0, "icl": 1.0, "cartridge": 0.0}, {"bare": 0.0, "icl": 1.0, "cartridge": 1.0}]
     shutil.rmtree(store)  # the committed results file alone must pair the two points
     c = curve.compare([out], "raft", 7, 8, ["--lr", "2e-3"], ["--lr", "2e-2"])
     assert c["questions"] == 3 and c["gold_nll_change"] == pytest.approx((-1.0 + 0.5 - 1.0) / 3)
