@@ -347,26 +347,23 @@ def points_ci(values: Sequence[float]) -> tuple[float, float] | None:
     return bootstrap_ci(values) if len(values) >= 2 else None
 
 
-def questions_ci(group: Sequence[dict], field: str = "gold_nll", samples: int = 2000,
-                 seed: int = 0) -> tuple[float, float] | None:
-    """The 95% interval of the mean closure on `field` ("gold_nll" or "correct") over `group`'s
-    points, resampling each document's questions (one draw for all of its seeds, which answer the
-    same questions): the documents and seeds are the design, the questions the sample, so a handful
-    of points still gets an interval as wide as its questions leave it. None unless every point
-    kept its per-question values, or when most resamples leave some point's closure undefined."""
+def closure_draws(by_doc: dict[str, list[dict[int, dict[str, float]]]], arms: Sequence[str] = ("cartridge",),
+                  field: str = "gold_nll", samples: int = 2000,
+                  seed: int = 0) -> tuple[dict[str, float], dict[str, np.ndarray]] | None:
+    """Each arm's mean closure on `field` ("gold_nll" or "correct") over the points (per document,
+    one per-question answers map for each seed), and that mean on each resample of each document's
+    questions: one draw for all of a document's seeds and arms, which answer the same questions,
+    so seeds and arms stay paired. NaN where some point's closure is undefined on a resample; None
+    where a document has fewer than two questions scored on bare, ICL and every arm."""
     import numpy as np
 
     from cartridges.evaluation.scoring import resampled_closures
 
-    by_doc: dict[str, list[dict]] = {}
-    for r in group:
-        if (answers := kept_answers(r, field)) is None:
-            return None
-        by_doc.setdefault(r["doc"], []).append(answers)
     rng = np.random.default_rng(seed)
-    total = np.zeros(samples)
+    n = sum(len(points) for points in by_doc.values())
+    estimate, draws = dict.fromkeys(arms, 0.0), {arm: np.zeros(samples) for arm in arms}
     for points in by_doc.values():
-        lines = scored_lines(points, [SCORED] * len(points))
+        lines = scored_lines(points, [{"bare", "icl", *arms}] * len(points))
         if len(lines) < 2:
             return None
         draw = rng.integers(0, len(lines), size=(samples, len(lines)))
@@ -374,12 +371,46 @@ def questions_ci(group: Sequence[dict], field: str = "gold_nll", samples: int = 
         # closure needs ICL ahead by two questions, as the eval's `gap_closure` does
         sign, min_gap = (-1.0, 0.0) if field == "gold_nll" else (1.0, 2 / len(lines))
         for p in points:
-            total += resampled_closures(*([sign * p[k][arm] for k in lines] for arm in ("cartridge", "bare", "icl")),
-                                        draw, min_gap)
-    means = total[~np.isnan(total)] / len(group)
-    if means.size < samples / 2:
+            for arm in arms:
+                values = [[sign * p[k][a] for k in lines] for a in (arm, "bare", "icl")]
+                estimate[arm] += float(resampled_closures(*values, np.arange(len(lines))[None, :], min_gap)[0])
+                draws[arm] += resampled_closures(*values, draw, min_gap)
+    return {arm: v / n for arm, v in estimate.items()}, {arm: v / n for arm, v in draws.items()}
+
+
+def percentile_ci(draws: np.ndarray) -> tuple[float, float] | None:
+    """The 95% percentile interval of the defined resamples; None when fewer than half are defined."""
+    import numpy as np
+
+    kept = draws[~np.isnan(draws)]
+    if kept.size < draws.size / 2:
         return None
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    return float(np.percentile(kept, 2.5)), float(np.percentile(kept, 97.5))
+
+
+def by_document(group: Sequence[dict], field: str = "gold_nll") -> dict[str, list[dict[int, dict[str, float]]]] | None:
+    """The group's kept per-question values, per document (one map per seed); None unless every
+    point kept them."""
+    out: dict[str, list[dict[int, dict[str, float]]]] = {}
+    for r in group:
+        if (answers := kept_answers(r, field)) is None:
+            return None
+        out.setdefault(r["doc"], []).append(answers)
+    return out
+
+
+def questions_ci(group: Sequence[dict], field: str = "gold_nll", samples: int = 2000,
+                 seed: int = 0) -> tuple[float, float] | None:
+    """The 95% interval of the mean closure on `field` over `group`'s points, resampling each
+    document's questions (`closure_draws`): the documents and seeds are the design, the questions
+    the sample, so a handful of points still gets an interval as wide as its questions leave it.
+    None unless every point kept its per-question values, or when most resamples leave some
+    point's closure undefined."""
+    if (by_doc := by_document(group, field)) is None:
+        return None
+    if (result := closure_draws(by_doc, ("cartridge",), field, samples, seed)) is None:
+        return None
+    return percentile_ci(result[1]["cartridge"])
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -491,15 +522,68 @@ def eval_answers(record: dict, eval_store: Path, field: str = "gold_nll") -> dic
     if (kept := kept_answers(record, field)) is not None:
         return kept
     for result in sorted(eval_store.glob("eval/*/result.json")):
-        if json.loads(result.read_text()).get("cartridges") != [record["cartridge"]]:
-            continue
-        out: dict[int, dict[str, float]] = {}
-        for line in (result.parent / "answers.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            if row.get(field) is not None:
-                out.setdefault(int(row["line"]), {})[row["arm"]] = float(row[field])
-        return out
+        if json.loads(result.read_text()).get("cartridges") == [record["cartridge"]]:
+            return read_answers(result.parent / "answers.jsonl", field)
     raise SystemExit(f"curve: no eval in {eval_store} scored {record['cartridge']}")
+
+
+def read_answers(path: Path, field: str = "gold_nll", arms: Collection[str] | None = None,
+                 doc: str | None = None) -> dict[int, dict[str, float]]:
+    """An eval's answers.jsonl as line -> arm -> `field`, for `arms` (None: all) on `doc`'s
+    questions (None: all)."""
+    out: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get(field) is not None and (arms is None or row["arm"] in arms) and (doc is None or row.get("doc") == doc):
+            out.setdefault(int(row["line"]), {})[row["arm"]] = float(row[field])
+    return out
+
+
+def peer_answers(eval_store: Path, doc: str, rows: int) -> dict[int, dict[str, float]]:
+    """Per question line of `doc`: each compression peer's gold NLL at `rows` rows, from the newest
+    eval in `eval_store` that scored the peers on it at that size. Peers are untrained, so one
+    eval serves every seed."""
+    from cartridges.evaluation.arms import PEERS
+
+    name = doc_path(doc).name
+    for result in sorted(eval_store.glob("eval/*/result.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        arms = json.loads(result.read_text()).get("arms") or {}
+        prompt = (arms.get("bare") or {}).get("kv_rows", 0)  # an arm's rows include the question's own
+        if all(round((arms.get(peer) or {}).get("kv_rows", -1) - prompt) == rows for peer in PEERS):
+            if found := read_answers(result.parent / "answers.jsonl", arms=PEERS, doc=name):
+                return found
+    raise SystemExit(f"curve: no eval in {eval_store} scored the compression peers on {name} at {rows} rows; "
+                     f"run `python -m cli.main eval` there with a {rows}-row cartridge and --corpus {doc_path(doc)}")
+
+
+def versus_peers(records: Sequence[dict], eval_store: Path, samples: int = 2000, seed: int = 0) -> dict:
+    """The points' mean gold-NLL closure beside each compression peer's at the same rows, and the
+    cartridge's lead over each, paired: every resample draws one set of each document's questions
+    for its seeds and all arms."""
+    from cartridges.evaluation.arms import PEERS
+
+    rows = {int((r.get("train") or {}).get("p") or 0) for r in records}
+    if len(rows) != 1 or 0 in rows:
+        raise SystemExit(f"curve: the points need one known cartridge size to meet peers at, got {sorted(rows)}")
+    p = rows.pop()
+    by_doc = by_document(records)
+    if by_doc is None:
+        raise SystemExit("curve: a point kept no per-question NLLs; it cannot be paired with the peers")
+    for doc, points in by_doc.items():
+        peers = peer_answers(eval_store, doc, p)
+        for answers in points:
+            for line, arms in peers.items():
+                answers.setdefault(line, {}).update(arms)
+    if (result := closure_draws(by_doc, ("cartridge", *PEERS), samples=samples, seed=seed)) is None:
+        raise SystemExit("curve: fewer than two questions scored on every arm of some document")
+    estimate, draws = result
+    peers_out = [{"arm": arm, "closure": estimate[arm], "closure_ci": percentile_ci(draws[arm]),
+                  "lead": estimate["cartridge"] - estimate[arm],
+                  "lead_ci": percentile_ci(draws["cartridge"] - draws[arm])} for arm in PEERS]
+    best = max(peers_out, key=lambda r: r["closure"])
+    return {"points": len(records), "rows": p, "documents": sorted(by_doc),
+            "cartridge": {"closure": estimate["cartridge"], "closure_ci": percentile_ci(draws["cartridge"])},
+            "peers": peers_out, "best_peer": best["arm"]}
 
 
 def per_question(record: dict, eval_store: Path, field: str = "gold_nll") -> dict[str, dict[str, float]] | None:
@@ -863,6 +947,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="the training dtype, for a point trained in more than one")
     p.add_argument("--other-dtype", default=None, help="the other point's training dtype (default: --dtype)")
     p.add_argument("--json", action="store_true")
+    p = sub.add_parser("peers", help="the points' closure against the compression peers' at the same rows (paired)")
+    p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to read")
+    p.add_argument("--eval-store", default=str(Path(DEFAULT_STORE) / "eval-store"),
+                   help="the store of an eval that scored the peers on each document (`cli.main eval`)")
+    p.add_argument("--train-args", default=None, help="only points with these extra train arguments ('' = defaults)")
+    p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
+    p.add_argument("--minutes", type=float, default=None, help="the points sized by this time budget")
+    p.add_argument("--json", action="store_true")
     p = sub.add_parser("regions", help="each point's NLL closure on questions about the first p tokens and the rest")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to read")
     p.add_argument("--train-args", default=None, help="only points with these extra train arguments ('' = defaults)")
@@ -879,6 +971,22 @@ def main(argv: list[str] | None = None) -> int:
                   + ", ".join(parts))
         if args.json:
             print(json.dumps({"points": rows}), flush=True)
+        return 0
+    if args.command == "peers":
+        records = select(read_all([Path(o) for o in args.out]),
+                         None if args.train_args is None else shlex.split(args.train_args), args.docs, args.minutes)
+        if not records:
+            raise SystemExit(f"curve: {', '.join(args.out)} holds no finished point of that selection")
+        v = versus_peers(records, Path(args.eval_store))
+        c = v["cartridge"]
+        print(f"{v['points']} points on {', '.join(v['documents'])} at {v['rows']} rows: cartridge NLL closure "
+              f"{_num(c['closure'])}{_ci(c['closure_ci'])}")
+        for r in v["peers"]:
+            lead = "" if r["lead_ci"] is None else f" ({r['lead_ci'][0]:+.2f} to {r['lead_ci'][1]:+.2f})"
+            print(f"  {r['arm']}: {_num(r['closure'])}{_ci(r['closure_ci'])}; cartridge lead {r['lead']:+.2f}{lead}"
+                  + (" (best peer)" if r["arm"] == v["best_peer"] else ""))
+        if args.json:
+            print(json.dumps(v), flush=True)
         return 0
     if args.command == "compare":
         c = compare_docs([Path(o) for o in args.out], args.doc, args.seed, args.conversations,

@@ -510,3 +510,52 @@ def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve
     assert curve.main(["plot", "--out", str(out), "--minutes", "30", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["png"] is None
     assert not (tmp_path / curve.DEFAULT_PNG).exists()
+
+
+def _peer_eval(store: Path, name: str, rows: int, values: dict[str, list[float]], doc: str = "raft.md") -> None:
+    d = store / "eval" / name
+    d.mkdir(parents=True)
+    arms = {"bare": {"kv_rows": 20.5}, **{arm: {"kv_rows": rows + 20.5} for arm in values}}  # + the question's rows
+    (d / "result.json").write_text(json.dumps({"arms": arms}))
+    lines = [{"arm": arm, "line": i, "doc": doc, "gold_nll": v} for arm, vals in values.items() for i, v in enumerate(vals)]
+    (d / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_peers_are_paired_with_the_points_at_their_rows(tmp_path, capsys):
+    import os
+
+    import numpy as np
+
+    from cartridges.evaluation.scoring import closure_ci
+
+    rng = np.random.default_rng(11)
+    bare = rng.uniform(4, 6, 30)
+    gap = rng.uniform(0.5, 2.5, 30)
+    icl, cart = bare - gap, bare - 0.5 * gap + rng.normal(0, 0.3, 30)
+    peers = {"knorm": bare - 0.1 * gap, "snapkv": bare - 0.3 * gap + rng.normal(0, 0.3, 30), "first": cart}
+    point = _with_questions("raft", 7, {"bare": list(bare), "icl": list(icl), "cartridge": list(cart)})
+    point["train"]["p"] = 256
+    store = tmp_path / "eval-store"
+    _peer_eval(store, "at-256", 256, {k: list(v) for k, v in peers.items()})
+    _peer_eval(store, "panama", 256, {k: [0.0] * 30 for k in peers}, doc="panama.md")  # another document's
+    _peer_eval(store, "at-1024", 1024, {k: [0.0] * 30 for k in peers})  # the newest, at another size
+    os.utime(store / "eval" / "at-1024" / "result.json", (2e9, 2e9))
+
+    v = curve.versus_peers([point], store)
+    by_arm = {r["arm"]: r for r in v["peers"]}
+    for arm, values in peers.items():  # the closure by hand: mean gain over mean gap
+        assert by_arm[arm]["closure"] == pytest.approx(np.mean(bare - values) / np.mean(gap))
+        assert by_arm[arm]["lead"] == pytest.approx(v["cartridge"]["closure"] - by_arm[arm]["closure"])
+    # one point: a peer's interval is the eval's own closure interval on its values (the same draw)
+    expected, _ = closure_ci(-peers["snapkv"], -bare, -icl, 0.0)
+    assert by_arm["snapkv"]["closure_ci"] == pytest.approx(expected)
+    assert v["best_peer"] == "first" and by_arm["first"]["lead_ci"] == (0.0, 0.0)  # paired: no spread
+    assert by_arm["knorm"]["lead_ci"][0] > 0  # the cartridge clearly ahead of a peer closing 0.1
+
+    with pytest.raises(SystemExit, match="at 512 rows"):
+        curve.versus_peers([{**point, "train": {**point["train"], "p": 512}}], store)
+    out = tmp_path / "levers.jsonl"
+    curve.append_record(out, point)
+    assert curve.main(["peers", "--out", str(out), "--eval-store", str(store), "--minutes", "30", "--json"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(printed[-1])["best_peer"] == "first" and "(best peer)" in printed[-2]
