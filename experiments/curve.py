@@ -17,6 +17,11 @@ order of increasing conversations, so the cheap end of the curve lands first.
     python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
     python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--json]
+    python -m experiments.curve peers [--out ...] [--eval-store artifacts/curve/eval-store] [--minutes 30]
+        [--train-args ""] [--docs raft] [--json]
+
+`peers` pairs the points with the untrained compression peers (first rows, SnapKV, key norm)
+at the cartridge's rows, read from an eval in `--eval-store` that scored them on each document.
 
 `--minutes M` points are sized by a time budget instead (`cartridges train --minutes M`, the
 default preset's kind): each runs in a fresh store, pays for its own pilot as a first run on a
