@@ -881,15 +881,22 @@ def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequ
             and (docs is None or r["doc"] in docs) and r.get("minutes") == minutes]
 
 
+def selected(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None = None,
+             minutes: float | None = None) -> list[dict]:
+    """`select` over the results files' finished points; an empty selection is an error."""
+    records = select(read_all(outs), train_args, docs, minutes)
+    if not records:
+        which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
+        raise SystemExit(f"curve: {', '.join(map(str, outs))} holds no finished point{which}; "
+                         "run `python -m experiments.curve run` first")
+    return records
+
+
 def plot(outs: Sequence[Path], png: Path | None, train_args: Sequence[str] | None = None,
          docs: Sequence[str] | None = None, minutes: float | None = None) -> dict:
     """One configuration's curve: a mean over (doc, seed) per budget only means something within one,
     and over the same documents at every budget (`docs`)."""
-    records = select(read_all(outs), train_args, docs, minutes)
-    where = ", ".join(map(str, outs))
-    if not records:
-        which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
-        raise SystemExit(f"curve: {where} holds no finished point{which}; run `python -m experiments.curve run` first")
+    records = selected(outs, train_args, docs, minutes)
     rows = aggregate(records)
     f = fit(rows)
     if png is not None:
@@ -978,10 +985,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"points": rows}), flush=True)
         return 0
     if args.command == "peers":
-        records = select(read_all([Path(o) for o in args.out]),
-                         None if args.train_args is None else shlex.split(args.train_args), args.docs, args.minutes)
-        if not records:
-            raise SystemExit(f"curve: {', '.join(args.out)} holds no finished point of that selection")
+        records = selected([Path(o) for o in args.out],
+                           None if args.train_args is None else shlex.split(args.train_args), args.docs, args.minutes)
         v = versus_peers(records, Path(args.eval_store))
         c = v["cartridge"]
         print(f"{v['points']} points on {', '.join(v['documents'])} at {v['rows']} rows: cartridge NLL closure "
