@@ -13,12 +13,12 @@ order of increasing conversations, so the cheap end of the curve lands first.
         [--store artifacts/curve] [--extra-train-args "--p 512"] [--extra-eval-args "--max-new 16"]
         [--run-args "--task-runner dask --save-every 200"] [--reuse-default-store] [--json]
     python -m experiments.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
-        [--train-args "--focus --lr 2e-2"] [--minutes 30] [--markdown] [--json]
+        [--train-args "--focus --lr 2e-2"] [--minutes 30] [--dtype auto] [--markdown] [--json]
     python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
-    python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--json]
+    python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--dtype float32] [--json]
     python -m experiments.curve peers [--out ...] [--eval-store artifacts/curve/eval-store] [--minutes 30]
-        [--train-args ""] [--docs raft] [--json]
+        [--train-args ""] [--docs raft] [--dtype auto] [--json]
 
 `peers` pairs the points with the untrained compression peers (first rows, SnapKV, key norm)
 at the cartridge's rows, read from an eval in `--eval-store` that scored them on each document.
@@ -27,6 +27,8 @@ at the cartridge's rows, read from an eval in `--eval-store` that scored them on
 default preset's kind): each runs in a fresh store, pays for its own pilot as a first run on a
 machine does, and is keyed by its minutes; its record gives the conversations the budget chose.
 They are a measurement of their own, apart from the curve: `plot --minutes M` shows them.
+`--dtype` selects the points trained in one dtype; a selection that holds one point in two
+dtypes is refused, since a mean would count it twice.
 
 `plot` draws both closures (accuracy and gold-option NLL) against conversations, the
 mean over (document, seed) points with its 95% bootstrap interval, and fits the mean
@@ -686,8 +688,8 @@ def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: in
            dtype: str | None) -> dict:
     """The point's newest record. A point trained in several dtypes is ambiguous without `dtype`:
     their cartridges differ, so taking the newest would pair whichever ran last."""
-    match = [r for r in select(records, args) if r["doc"] == doc and int(r["seed"]) == seed
-             and int(r["conversations_planned"]) == n and dtype in (None, r.get("dtype"))]
+    match = [r for r in select(records, args, dtype=dtype) if r["doc"] == doc and int(r["seed"]) == seed
+             and int(r["conversations_planned"]) == n]
     where = f"{doc} seed {seed} n {n} with train args {shlex.join(args)!r}"
     if not match:
         trained = f" trained in {dtype}" if dtype else ""
@@ -729,7 +731,8 @@ def closure_by_region(record: dict, opening: set[str], questions: Sequence[str])
     return out
 
 
-def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None, qa: Path) -> list[dict]:
+def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None, qa: Path,
+            dtype: str | None = None) -> list[dict]:
     """`closure_by_region` for every selected point."""
     from cartridges.core.models import load_model
 
@@ -737,7 +740,7 @@ def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequen
     questions = qa.read_text().splitlines()
     cache: dict[tuple[str, int], set[str]] = {}
     rows = []
-    for r in select(read_all(outs), train_args, docs):
+    for r in select(read_all(outs), train_args, docs, dtype=dtype):
         p = int(r.get("train", {}).get("p") or 0)
         if not p or not r.get("gold_nll_by_line"):
             continue
@@ -873,30 +876,42 @@ def plot_png(records: Sequence[dict], rows: Sequence[dict], f: dict, png: Path) 
 
 
 def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequence[str] | None = None,
-           minutes: float | None = None) -> list[dict]:
-    """The points of one configuration (their extra train arguments) and of `docs` (None: all), sized
-    by conversations or, given `minutes`, by that time budget."""
+           minutes: float | None = None, dtype: str | None = None) -> list[dict]:
+    """The points of one configuration (their extra train arguments), of `docs` and trained in `dtype`
+    (None: all), sized by conversations or, given `minutes`, by that time budget."""
     return [r for r in records
             if (train_args is None or list(r.get("extra_train_args") or ()) == list(train_args))
-            and (docs is None or r["doc"] in docs) and r.get("minutes") == minutes]
+            and (docs is None or r["doc"] in docs) and r.get("minutes") == minutes
+            and dtype in (None, r.get("dtype"))]
 
 
 def selected(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None = None,
-             minutes: float | None = None) -> list[dict]:
-    """`select` over the results files' finished points; an empty selection is an error."""
-    records = select(read_all(outs), train_args, docs, minutes)
+             minutes: float | None = None, dtype: str | None = None) -> list[dict]:
+    """`select` over the results files' finished points. An empty selection is an error, and so is
+    one point trained in several dtypes: a mean would count its document and seed twice."""
+    records = select(read_all(outs), train_args, docs, minutes, dtype)
     if not records:
         which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
-        raise SystemExit(f"curve: {', '.join(map(str, outs))} holds no finished point{which}; "
+        trained = "" if dtype is None else f" trained in {dtype}"
+        raise SystemExit(f"curve: {', '.join(map(str, outs))} holds no finished point{which}{trained}; "
                          "run `python -m experiments.curve run` first")
+    dtypes: dict[tuple, set[str]] = {}
+    for r in records:
+        point = (r["doc"], int(r["seed"]), size_key(r.get("minutes"), int(r["conversations_planned"])),
+                 tuple(r.get("extra_train_args") or ()))
+        dtypes.setdefault(point, set()).add(str(r.get("dtype")))
+    for (doc, seed, size, args), found in dtypes.items():
+        if len(found) > 1:
+            raise SystemExit(f"curve: the point {doc} seed {seed} {size} with train args {shlex.join(args)!r} "
+                             f"was trained in {' and '.join(sorted(found))}; choose one with --dtype")
     return records
 
 
 def plot(outs: Sequence[Path], png: Path | None, train_args: Sequence[str] | None = None,
-         docs: Sequence[str] | None = None, minutes: float | None = None) -> dict:
+         docs: Sequence[str] | None = None, minutes: float | None = None, dtype: str | None = None) -> dict:
     """One configuration's curve: a mean over (doc, seed) per budget only means something within one,
     and over the same documents at every budget (`docs`)."""
-    records = selected(outs, train_args, docs, minutes)
+    records = selected(outs, train_args, docs, minutes, dtype)
     rows = aggregate(records)
     f = fit(rows)
     if png is not None:
@@ -944,6 +959,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the points run with these extra train arguments ('' for the defaults); default: all")
     p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
     p.add_argument("--minutes", type=float, default=None, help="the points sized by this time budget")
+    p.add_argument("--dtype", default=None, help="only points trained in this dtype (as `run --dtype` named it)")
     p.add_argument("--markdown", action="store_true")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("compare", help="two configurations' cartridges on the same questions (paired)")
@@ -966,17 +982,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-args", default=None, help="only points with these extra train arguments ('' = defaults)")
     p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
     p.add_argument("--minutes", type=float, default=None, help="the points sized by this time budget")
+    p.add_argument("--dtype", default=None, help="only points trained in this dtype (as `run --dtype` named it)")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("regions", help="each point's NLL closure on questions about the first p tokens and the rest")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to read")
     p.add_argument("--train-args", default=None, help="only points with these extra train arguments ('' = defaults)")
     p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
     p.add_argument("--qa", default=str(EVAL_DIR / "questions.jsonl"))
+    p.add_argument("--dtype", default=None, help="only points trained in this dtype (as `run --dtype` named it)")
     p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "regions":
         rows = regions([Path(o) for o in args.out], None if args.train_args is None else shlex.split(args.train_args),
-                       args.docs, Path(args.qa))
+                       args.docs, Path(args.qa), args.dtype)
         for r in rows:
             parts = [f"{k} {_num(r[k]['closure'])} ({r[k]['questions']} questions)" for k in ("opening", "rest")]
             print(f"{r['doc']} seed {r['seed']} n {r['conversations']} p {r['p']} {shlex.join(r['train_args'])!r}: "
@@ -986,7 +1004,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "peers":
         records = selected([Path(o) for o in args.out],
-                           None if args.train_args is None else shlex.split(args.train_args), args.docs, args.minutes)
+                           None if args.train_args is None else shlex.split(args.train_args), args.docs, args.minutes,
+                           args.dtype)
         v = versus_peers(records, Path(args.eval_store))
         c = v["cartridge"]
         print(f"{v['points']} points on {', '.join(v['documents'])} at {v['rows']} rows: cartridge NLL closure "
@@ -1033,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if summary["failed"] else 0
     png = args.png or (None if args.minutes else DEFAULT_PNG)
     result = plot([Path(o) for o in args.out], None if png is None else Path(png), None if args.train_args is None else shlex.split(args.train_args),
-                  args.docs, args.minutes)
+                  args.docs, args.minutes, args.dtype)
     records = result.pop("records")
     if args.markdown:
         print(markdown(records, result["rows"], result["fit"]))

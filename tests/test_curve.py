@@ -302,6 +302,27 @@ def test_plot_selects_one_configuration_by_its_train_args(tmp_path, capsys):
         curve.main(["plot", "--out", str(out), "--png", str(png), "--train-args", "--p 512"])
 
 
+def test_a_point_trained_in_two_dtypes_is_chosen_with_dtype_not_counted_twice(tmp_path, capsys):
+    out = tmp_path / "levers.jsonl"
+    fast = {**_synthetic("raft", 7, 100, 0.5, 0.1), "dtype": "auto"}
+    other = {**_synthetic("raft", 8, 100, 0.7, 0.1), "dtype": "auto"}  # another seed: a point of its own
+    for rec in (_synthetic("raft", 7, 100, 0.1, 0.1), fast, _synthetic("panama", 7, 100, 0.3, 0.1), other):
+        curve.append_record(out, rec)
+    with pytest.raises(SystemExit, match="raft seed 7 .* trained in auto and bfloat16; choose one with --dtype"):
+        curve.main(["plot", "--out", str(out), "--png", "none.png"])
+    assert curve.main(["plot", "--out", str(out), "--png", str(tmp_path / "c.png"), "--dtype", "auto", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["points"] == 2 and summary["rows"][0]["nll_closure"] == pytest.approx(0.6)
+    assert curve.main(["plot", "--out", str(out), "--png", str(tmp_path / "c.png"), "--dtype", "bfloat16", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["points"] == 2 and summary["rows"][0]["nll_closure"] == pytest.approx(0.2)
+    # one dtype per point is no ambiguity, whatever the other points trained in
+    assert [r["doc"] for r in curve.selected([out], None, ["panama"])] == ["panama"]
+    assert sorted(r["dtype"] for r in curve.select(curve.read_records(out), None, ["raft"], dtype="auto")) == ["auto"] * 2
+    with pytest.raises(SystemExit, match="holds no finished point trained in float16"):
+        curve.selected([out], None, dtype="float16")
+
+
 def test_plot_reads_several_results_files_and_the_later_copy_of_a_point_counts(tmp_path, capsys):
     curve_out, levers_out, png = tmp_path / "curve.jsonl", tmp_path / "levers.jsonl", tmp_path / "c.png"
     curve.append_record(curve_out, _synthetic("raft", 7, 100, 0.1, 0.1))
