@@ -584,6 +584,9 @@ def versus_peers(records: Sequence[dict], eval_store: Path, samples: int = 2000,
     if (result := closure_draws(by_doc, ("cartridge", *PEERS), samples=samples, seed=seed)) is None:
         raise SystemExit("curve: fewer than two questions scored on every arm of some document")
     estimate, draws = result
+    if any(math.isnan(v) for v in estimate.values()):
+        raise SystemExit("curve: some point's NLL closure is undefined (in context not ahead of bare); "
+                         "leave its document out with --docs")
     peers_out = [{"arm": arm, "closure": estimate[arm], "closure_ci": percentile_ci(draws[arm]),
                   "lead": estimate["cartridge"] - estimate[arm],
                   "lead_ci": percentile_ci(draws["cartridge"] - draws[arm])} for arm in PEERS]

@@ -575,6 +575,10 @@ def test_peers_are_paired_with_the_points_at_their_rows(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="at 512 rows"):
         curve.versus_peers([{**point, "train": {**point["train"], "p": 512}}], store)
+    behind = _with_questions("raft", 8, {"bare": list(icl), "icl": list(bare), "cartridge": list(cart)})
+    behind["train"]["p"] = 256  # in context behind bare: no gap to close, so no closure to pair
+    with pytest.raises(SystemExit, match="closure is undefined"):
+        curve.versus_peers([point, behind], store)
     out = tmp_path / "levers.jsonl"
     curve.append_record(out, point)
     assert curve.main(["peers", "--out", str(out), "--eval-store", str(store), "--minutes", "30", "--json"]) == 0
