@@ -16,7 +16,8 @@ order of increasing conversations, so the cheap end of the curve lands first.
         [--train-args "--focus --lr 2e-2"] [--minutes 30] [--dtype auto] [--markdown] [--json]
     python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
-    python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--dtype float32] [--json]
+    python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--minutes 30] [--dtype float32]
+        [--json]
     python -m experiments.curve peers [--out ...] [--eval-store artifacts/curve/eval-store] [--minutes 30]
         [--train-args ""] [--docs raft] [--dtype auto] [--json]
 
@@ -735,7 +736,7 @@ def closure_by_region(record: dict, opening: set[str], questions: Sequence[str])
 
 
 def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None, qa: Path,
-            dtype: str | None = None) -> list[dict]:
+            dtype: str | None = None, minutes: float | None = None) -> list[dict]:
     """`closure_by_region` for every selected point."""
     from cartridges.core.models import load_model
 
@@ -743,7 +744,7 @@ def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequen
     questions = qa.read_text().splitlines()
     cache: dict[tuple[str, int], set[str]] = {}
     rows = []
-    for r in select(read_all(outs), train_args, docs, dtype=dtype):
+    for r in select(read_all(outs), train_args, docs, minutes, dtype):
         p = int(r.get("train", {}).get("p") or 0)
         if not p or not r.get("gold_nll_by_line"):
             continue
@@ -751,7 +752,8 @@ def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequen
             cache[r["doc"], p] = opening_regions(doc_path(r["doc"]).read_text(), tokenizer, p)
         opening = cache[r["doc"], p]
         rows.append({"doc": r["doc"], "seed": r["seed"], "conversations": r["conversations_planned"], "p": p,
-                     "train_args": r["extra_train_args"], **closure_by_region(r, opening, questions)})
+                     "train_args": r["extra_train_args"], "dtype": r.get("dtype"),
+                     **closure_by_region(r, opening, questions)})
     return rows
 
 
@@ -992,15 +994,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-args", default=None, help="only points with these extra train arguments ('' = defaults)")
     p.add_argument("--docs", nargs="+", default=None, help="only these documents' points (names); default: all")
     p.add_argument("--qa", default=str(EVAL_DIR / "questions.jsonl"))
+    p.add_argument("--minutes", type=float, default=None, help="the points sized by this time budget")
     p.add_argument("--dtype", default=None, help="only points trained in this dtype (as `run --dtype` named it)")
     p.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "regions":
         rows = regions([Path(o) for o in args.out], None if args.train_args is None else shlex.split(args.train_args),
-                       args.docs, Path(args.qa), args.dtype)
+                       args.docs, Path(args.qa), args.dtype, args.minutes)
         for r in rows:
             parts = [f"{k} {_num(r[k]['closure'])} ({r[k]['questions']} questions)" for k in ("opening", "rest")]
-            print(f"{r['doc']} seed {r['seed']} n {r['conversations']} p {r['p']} {shlex.join(r['train_args'])!r}: "
+            print(f"{r['doc']} seed {r['seed']} n {r['conversations']} p {r['p']} {r['dtype']} "
+                  f"{shlex.join(r['train_args'])!r}: "
                   + ", ".join(parts))
         if args.json:
             print(json.dumps({"points": rows}), flush=True)

@@ -494,6 +494,23 @@ def test_regions_split_a_points_closure_at_the_first_p_tokens(tmp_path):
     assert by["rest"] == {"questions": 2, "closure": pytest.approx(1.0 / 4.0)}
 
 
+def test_regions_select_points_by_budget_and_dtype(tmp_path):
+    values = {"bare": [6.0, 5.0], "icl": [4.0, 3.0], "cartridge": [5.0, 4.0]}
+    budgeted = {**_with_questions("raft", 7, values), "dtype": "auto"}  # sized by 30 minutes
+    sized = {**_with_questions("raft", 8, values), "minutes": None}  # sized by conversations, bfloat16
+    out = tmp_path / "levers.jsonl"
+    for r in (budgeted, sized):
+        r["train"]["p"] = 256
+        curve.append_record(out, r)
+    qa = tmp_path / "q.jsonl"
+    qa.write_text("\n".join(json.dumps({"region": "nowhere"}) for _ in range(2)) + "\n")
+    rows = curve.regions([out], None, None, qa, dtype="auto", minutes=30)
+    assert [(r["seed"], r["dtype"]) for r in rows] == [(7, "auto")]
+    assert rows[0]["rest"] == {"questions": 2, "closure": pytest.approx(0.5)}
+    assert [r["seed"] for r in curve.regions([out], None, None, qa)] == [8]
+    assert curve.regions([out], None, None, qa, dtype="auto") == []
+
+
 def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve(tmp_path, monkeypatch, capsys):
     out, store = tmp_path / "curve.jsonl", tmp_path / "store"
 
