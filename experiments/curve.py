@@ -698,10 +698,7 @@ def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: in
     if not match:
         trained = f" trained in {dtype}" if dtype else ""
         raise SystemExit(f"curve: no point {where}{trained} in " + ", ".join(map(str, outs)))
-    dtypes = sorted({str(r.get("dtype")) for r in match})
-    if len(dtypes) > 1:
-        raise SystemExit(f"curve: the point {where} was trained in {' and '.join(dtypes)}; "
-                         "choose with --dtype (and --other-dtype)")
+    one_dtype_each(match, "with --dtype (and --other-dtype)")
     return match[-1]
 
 
@@ -893,13 +890,21 @@ def select(records: Sequence[dict], train_args: Sequence[str] | None, docs: Sequ
 def selected(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None = None,
              minutes: float | None = None, dtype: str | None = None) -> list[dict]:
     """`select` over the results files' finished points. An empty selection is an error, and so is
-    one point trained in several dtypes: a mean would count its document and seed twice."""
+    one point trained in several dtypes (`one_dtype_each`)."""
     records = select(read_all(outs), train_args, docs, minutes, dtype)
     if not records:
         which = "" if train_args is None else f" with train args {shlex.join(train_args)!r}"
         trained = "" if dtype is None else f" trained in {dtype}"
         raise SystemExit(f"curve: {', '.join(map(str, outs))} holds no finished point{which}{trained}; "
                          "run `python -m experiments.curve run` first")
+    one_dtype_each(records, "one with --dtype")
+    return records
+
+
+def one_dtype_each(records: Sequence[dict], choose: str) -> None:
+    """Refuse a point (document, seed, budget, train args) found in several training dtypes: their
+    cartridges differ, so a mean would count the point twice and a pairing would take whichever
+    ran last. `choose` says how to pick one."""
     dtypes: dict[tuple, set[str]] = {}
     for r in records:
         point = (r["doc"], int(r["seed"]), size_key(r.get("minutes"), int(r["conversations_planned"])),
@@ -907,9 +912,9 @@ def selected(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Seque
         dtypes.setdefault(point, set()).add(str(r.get("dtype")))
     for (doc, seed, size, args), found in dtypes.items():
         if len(found) > 1:
-            raise SystemExit(f"curve: the point {doc} seed {seed} {size} with train args {shlex.join(args)!r} "
-                             f"was trained in {' and '.join(sorted(found))}; choose one with --dtype")
-    return records
+            budget = size if isinstance(size, str) else f"n {size}"
+            raise SystemExit(f"curve: the point {doc} seed {seed} {budget} with train args {shlex.join(args)!r} "
+                             f"was trained in {' and '.join(sorted(found))}; choose {choose}")
 
 
 def plot(outs: Sequence[Path], png: Path | None, train_args: Sequence[str] | None = None,
