@@ -14,8 +14,10 @@ order of increasing conversations, so the cheap end of the curve lands first.
         [--run-args "--task-runner dask --save-every 200"] [--reuse-default-store] [--json]
     python -m experiments.curve plot [--out docs/quality/curve.jsonl docs/quality/levers.jsonl] [--png docs/quality/curve.png]
         [--train-args "--focus --lr 2e-2"] [--minutes 30] [--dtype auto] [--markdown] [--json]
-    python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 --conversations 250 [--base ""]
+    python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 [8] --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
+    python -m experiments.curve compare --doc raft panama --seed 7 8 --minutes 30 --base "--p 256"
+        --other "--p 256" --dtype float32 --other-dtype auto [--json]
     python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--minutes 30] [--dtype float32]
         [--json]
     python -m experiments.curve peers [--out ...] [--eval-store artifacts/curve/eval-store] [--minutes 30]
@@ -622,23 +624,34 @@ def question_changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, floa
     return lines, diff, float(np.mean([a[k]["bare"] - a[k]["icl"] for k in lines]))
 
 
-def pooled(changes: Sequence[Changes], samples: int = 2000, seed: int = 0) -> dict:
-    """Closure change over several documents: each document's mean change in its own closure units
+def pooled(changes: Sequence[Changes], samples: int = 2000, seed: int = 0,
+           groups: Sequence[str] | None = None) -> dict:
+    """Closure change over several points: each point's mean change in its own closure units
     (its own bare-to-ICL gap), averaged with equal weight. The 95% interval resamples questions
-    within each document, so a document with more questions does not outweigh the others. None
-    where a document's gap is not positive (it has no closure units)."""
+    within each group (a document), one draw for all of a group's points (its seeds, which answer
+    the same questions), so seeds stay paired and a document with more questions does not
+    outweigh the others. `groups` names each point's group (None: a group each). None where a
+    point's gap is not positive (it has no closure units)."""
     import numpy as np
 
+    groups = list(range(len(changes))) if groups is None else list(groups)
+    members: dict = {}
+    for change, group in zip(changes, groups, strict=True):
+        members.setdefault(group, []).append(change)
     rng = np.random.default_rng(seed)
-    means, total = np.zeros(samples), 0.0
-    for _, diff, gap in changes:
-        if gap <= 0:
-            return {"documents": len(changes), "closure_change": None, "closure_change_ci": None}
-        change = -diff / gap
-        total += float(change.mean())
-        means += change[rng.integers(0, change.size, size=(samples, change.size))].mean(axis=1)
-    n = len(changes)
-    return {"documents": n, "closure_change": total / n,
+    means, total, n = np.zeros(samples), 0.0, len(changes)
+    out = {"documents": len(members), "points": n}
+    for group_changes in members.values():
+        common = sorted(set.intersection(*(set(lines) for lines, _, _ in group_changes)))
+        draw = rng.integers(0, len(common), size=(samples, len(common)))
+        for lines, diff, gap in group_changes:
+            if gap <= 0:
+                return {**out, "closure_change": None, "closure_change_ci": None}
+            at = {line: i for i, line in enumerate(lines)}
+            change = -diff[[at[line] for line in common]] / gap
+            total += float(change.mean())
+            means += change[draw].mean(axis=1)
+    return {**out, "closure_change": total / n,
             "closure_change_ci": [float(np.percentile(means / n, 2.5)), float(np.percentile(means / n, 97.5))]}
 
 
@@ -659,42 +672,49 @@ def paired(changes: Changes, samples: int = 2000, seed: int = 0) -> dict:
     return out
 
 
-def compare(outs: Sequence[Path], doc: str, seed: int, n: int, base: Sequence[str], other: Sequence[str],
-            other_n: int | None = None, dtype: str | None = None, other_dtype: str | None = None) -> dict:
+def compare(outs: Sequence[Path], doc: str, seed: int, n: int | None, base: Sequence[str], other: Sequence[str],
+            other_n: int | None = None, dtype: str | None = None, other_dtype: str | None = None,
+            minutes: float | None = None) -> dict:
     """`other` against `base` for one (doc, seed) in the results files, both at `n` conversations or
-    `other` at `other_n` (a comparison at equal compute of configurations that differ in cost).
-    `dtype` (and `other_dtype`, default `dtype`) picks the training dtype where a point was
-    trained in more than one."""
-    return compare_docs(outs, [doc], seed, n, base, other, other_n, dtype, other_dtype)["per_doc"][0]
+    `other` at `other_n` (a comparison at equal compute of configurations that differ in cost), or
+    both sized by the time budget `minutes` (equal compute by construction). `dtype` (and
+    `other_dtype`, default `dtype`) picks the training dtype where a point was trained in more
+    than one, or pairs twins trained in two."""
+    return compare_docs(outs, [doc], [seed], n, base, other, other_n, dtype, other_dtype, minutes)["per_doc"][0]
 
 
-def compare_docs(outs: Sequence[Path], docs: Sequence[str], seed: int, n: int, base: Sequence[str],
-                 other: Sequence[str], other_n: int | None = None, dtype: str | None = None,
-                 other_dtype: str | None = None) -> dict:
-    """`compare` on each document, and, given several, the closure change over all of them (`pooled`)."""
+def compare_docs(outs: Sequence[Path], docs: Sequence[str], seeds: Sequence[int], n: int | None,
+                 base: Sequence[str], other: Sequence[str], other_n: int | None = None, dtype: str | None = None,
+                 other_dtype: str | None = None, minutes: float | None = None) -> dict:
+    """`compare` on each (document, seed), and, given several, the closure change over all of them
+    (`pooled`, a document's seeds sharing its question draws)."""
+    if (n is None) == (minutes is None):
+        raise SystemExit("curve: size the points by conversations or by minutes, one of the two")
     other_n = n if other_n is None else other_n
     other_dtype = dtype if other_dtype is None else other_dtype
     records = read_all(outs)
-    points = [{name: _point(records, outs, doc, seed, budget, args, want)
+    cells = [(doc, seed) for doc in docs for seed in seeds]
+    points = [{name: _point(records, outs, doc, seed, budget, args, want, minutes)
                for name, args, budget, want in (("base", base, n, dtype), ("other", other, other_n, other_dtype))}
-              for doc in docs]
+              for doc, seed in cells]
     changes = [question_changes(*(eval_answers(p[k], Path(p[k]["store"]).parent / "eval-store")
                                   for k in ("base", "other"))) for p in points]
-    per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "base": list(base),
-                "other": list(other), "dtype": p["base"]["dtype"], "other_dtype": p["other"]["dtype"], **paired(c)}
-               for doc, p, c in zip(docs, points, changes, strict=True)]
-    if len(docs) < 2:
+    per_doc = [{"doc": doc, "seed": seed, "conversations": n, "other_conversations": other_n, "minutes": minutes,
+                "base": list(base), "other": list(other), "dtype": p["base"]["dtype"],
+                "other_dtype": p["other"]["dtype"], **paired(c)}
+               for (doc, seed), p, c in zip(cells, points, changes, strict=True)]
+    if len(cells) < 2:
         return {"per_doc": per_doc}
-    return {"per_doc": per_doc, **pooled(changes)}
+    return {"per_doc": per_doc, **pooled(changes, groups=[doc for doc, _ in cells])}
 
 
-def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: int, args: Sequence[str],
-           dtype: str | None) -> dict:
+def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: int | None, args: Sequence[str],
+           dtype: str | None, minutes: float | None = None) -> dict:
     """The point's newest record. A point trained in several dtypes is ambiguous without `dtype`:
     their cartridges differ, so taking the newest would pair whichever ran last."""
-    match = [r for r in select(records, args, dtype=dtype) if r["doc"] == doc and int(r["seed"]) == seed
-             and int(r["conversations_planned"]) == n]
-    where = f"{doc} seed {seed} n {n} with train args {shlex.join(args)!r}"
+    match = [r for r in select(records, args, minutes=minutes, dtype=dtype) if r["doc"] == doc
+             and int(r["seed"]) == seed and (minutes is not None or int(r["conversations_planned"]) == n)]
+    where = f"{doc} seed {seed} {size_key(minutes, n or 0) if minutes else f'n {n}'} with train args {shlex.join(args)!r}"
     if not match:
         trained = f" trained in {dtype}" if dtype else ""
         raise SystemExit(f"curve: no point {where}{trained} in " + ", ".join(map(str, outs)))
@@ -976,8 +996,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to look in")
     p.add_argument("--doc", nargs="+", required=True,
                    help="one document, or several: each compared, then the closure change over all of them")
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--conversations", type=int, required=True)
+    p.add_argument("--seed", "--seeds", dest="seed", nargs="+", type=int, required=True,
+                   help="the seeds; several are paired per seed and pooled, a document's seeds sharing its draws")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--conversations", type=int, help="the points sized by this many conversations")
+    size.add_argument("--minutes", type=float, help="the points sized by this time budget (twins at equal time)")
     p.add_argument("--base", default="", help="the base point's extra train arguments ('' for the defaults)")
     p.add_argument("--other", required=True, help="the other point's extra train arguments")
     p.add_argument("--other-conversations", type=int, default=None,
@@ -1032,22 +1055,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         c = compare_docs([Path(o) for o in args.out], args.doc, args.seed, args.conversations,
                          shlex.split(args.base), shlex.split(args.other), args.other_conversations,
-                         args.dtype, args.other_dtype)
+                         args.dtype, args.other_dtype, args.minutes)
         for d in c["per_doc"]:
             closure = (f" = closure {d['closure_change']:+.3f} ({d['closure_change_ci'][0]:+.3f} to "
                        f"{d['closure_change_ci'][1]:+.3f})" if "closure_change" in d else "")
-            budgets = (f"n {d['conversations']}" if d["other_conversations"] == d["conversations"]
+            budgets = (f"{d['minutes']:g} min" if d["minutes"] else f"n {d['conversations']}"
+                       if d["other_conversations"] == d["conversations"]
                        else f"n {d['other_conversations']} against n {d['conversations']}")
-            print(f"{d['doc']} seed {args.seed} {budgets}: {args.other!r} against {args.base!r}: gold NLL "
+            other, base = repr(args.other), repr(args.base)
+            if d["dtype"] != d["other_dtype"]:  # twins trained in two dtypes: name each side's
+                other, base = f"{d['other_dtype']} {other}", f"{d['dtype']} {base}"
+            print(f"{d['doc']} seed {d['seed']} {budgets}: {other} against {base}: gold NLL "
                   f"{d['gold_nll_change']:+.3f} ({d['gold_nll_change_ci'][0]:+.3f} to "
                   f"{d['gold_nll_change_ci'][1]:+.3f}){closure}; lower on {d['better']} of {d['questions']} "
                   f"questions, higher on {d['worse']}")
-        if len(args.doc) > 1 and c["closure_change"] is not None:
+        if len(c["per_doc"]) > 1 and c["closure_change"] is not None:
             lo, hi = c["closure_change_ci"]
-            print(f"{c['documents']} documents: closure {c['closure_change']:+.3f} ({lo:+.3f} to {hi:+.3f}), "
-                  "each document's mean change averaged, questions resampled within their document")
+            points = "" if c["points"] == c["documents"] else f", {c['points']} points"
+            print(f"{c['documents']} document{'s' if c['documents'] > 1 else ''}{points}: closure {c['closure_change']:+.3f} ({lo:+.3f} to {hi:+.3f}), "
+                  "each point's mean change averaged, questions resampled within their document")
         if args.json:
-            print(json.dumps(c if len(args.doc) > 1 else c["per_doc"][0]), flush=True)
+            print(json.dumps(c if len(c["per_doc"]) > 1 else c["per_doc"][0]), flush=True)
         return 0
     if args.command == "run":
         signal.signal(signal.SIGTERM, _exit_on_sigterm)

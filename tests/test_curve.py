@@ -400,6 +400,42 @@ def test_compare_pairs_two_points_question_by_question(tmp_path, capsys):
         curve.compare([out], "raft", 7, 250, ["--lr", "2e-3"], ["--focus"], dtype="float16")
 
 
+def test_compare_pairs_time_budgeted_twins_across_dtypes_with_seeds_sharing_draws(tmp_path, capsys):
+    out = tmp_path / "curve.jsonl"
+    bare, icl = [6.0, 5.0, 7.0, 6.0], [4.0, 3.0, 5.0, 4.0]  # gap 2 on every question
+    base = [5.0, 4.0, 6.0, 5.0]
+    # seed 7's bfloat16 twin is lower by 0.5, 1, 0.5, 1 nats; seed 8's higher by the same: paired
+    # per question, the two seeds cancel on every resample of the document's questions
+    step = [0.5, 1.0, 0.5, 1.0]
+    for seed, sign in ((7, -1), (8, 1)):
+        for dtype, cart in (("float32", base), ("auto", [b + sign * d for b, d in zip(base, step, strict=True)])):
+            rec = _with_questions("raft", seed, {"bare": bare, "icl": icl, "cartridge": cart})
+            rec.update(dtype=dtype, extra_train_args=["--p", "256"], cartridge=f"/{seed}{dtype}.safetensors")
+            curve.append_record(out, rec)
+    c = curve.compare_docs([out], ["raft"], [7, 8], None, ["--p", "256"], ["--p", "256"], dtype="float32",
+                           other_dtype="auto", minutes=30)
+    assert [(d["seed"], d["minutes"], d["dtype"], d["other_dtype"]) for d in c["per_doc"]] == [
+        (7, 30, "float32", "auto"), (8, 30, "float32", "auto")]
+    assert [d["closure_change"] for d in c["per_doc"]] == pytest.approx([0.375, -0.375])  # 0.75 nats of a gap of 2
+    assert (c["documents"], c["points"]) == (1, 2)
+    assert c["closure_change"] == pytest.approx(0.0) and c["closure_change_ci"] == pytest.approx([0.0, 0.0])
+    # drawn apart, the two seeds would not cancel and the interval would open
+    apart = curve.pooled([curve.question_changes(*(curve.kept_answers(r) for r in pair))
+                          for pair in ([c_ for c_ in curve.read_records(out) if c_["seed"] == s] for s in (7, 8))])
+    assert apart["closure_change"] == pytest.approx(0.0) and apart["closure_change_ci"][1] > 0.01
+    assert curve.main(["compare", "--out", str(out), "--doc", "raft", "--seeds", "7", "8", "--minutes", "30",
+                       "--base=--p 256", "--other=--p 256", "--dtype", "float32", "--other-dtype", "auto",
+                       "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("raft seed 7 30 min: auto '--p 256' against float32 '--p 256': gold NLL -0.750")
+    assert lines[2].startswith("1 document, 2 points: closure +0.000 (+0.000 to +0.000)")
+    assert json.loads(lines[-1])["points"] == 2
+    with pytest.raises(SystemExit, match="no point raft seed 7 30 min with train args '--p 256' trained in float16"):
+        curve.compare([out], "raft", 7, None, ["--p", "256"], ["--p", "256"], dtype="float16", minutes=30)
+    with pytest.raises(SystemExit, match="by conversations or by minutes"):
+        curve.compare([out], "raft", 7, 250, ["--p", "256"], ["--p", "256"], minutes=30)
+
+
 def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
     import shutil
 
@@ -453,7 +489,7 @@ def test_compare_over_documents_averages_each_documents_closure_change(tmp_path,
             rec.update(extra_train_args=args, cartridge=f"/{name}.safetensors", store=str(store / name))
             _fake_eval(store, name, rec["cartridge"], {"bare": bare, "icl": icl, "cartridge": cart})
             curve.append_record(out, rec)
-    c = curve.compare_docs([out], ["raft", "panama"], 8, 2000, [], ["--p", "512"])
+    c = curve.compare_docs([out], ["raft", "panama"], [8], 2000, [], ["--p", "512"])
     assert [d["closure_change"] for d in c["per_doc"]] == pytest.approx([0.25, -0.1])
     # each document weighs the same whatever its number of questions; pooling the questions
     # would give (2 * 0.25 + 6 * -0.1) / 8 instead
