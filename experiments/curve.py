@@ -754,14 +754,15 @@ def closure_by_region(record: dict, opening: set[str], questions: Sequence[str])
 
 def regions(outs: Sequence[Path], train_args: Sequence[str] | None, docs: Sequence[str] | None, qa: Path,
             dtype: str | None = None, minutes: float | None = None) -> list[dict]:
-    """`closure_by_region` for every selected point."""
+    """`closure_by_region` for every selected point (`selected`: an empty selection is an error, as
+    is a point trained in two dtypes). Points that kept no per-question NLLs are skipped."""
     from cartridges.core.models import load_model
 
     tokenizer = load_model("smollm2").tokenizer
     questions = qa.read_text().splitlines()
     cache: dict[tuple[str, int], set[str]] = {}
     rows = []
-    for r in select(read_all(outs), train_args, docs, minutes, dtype):
+    for r in selected(outs, train_args, docs, minutes, dtype):
         p = int(r.get("train", {}).get("p") or 0)
         if not p or not r.get("gold_nll_by_line"):
             continue

@@ -544,7 +544,8 @@ def test_regions_select_points_by_budget_and_dtype(tmp_path):
     assert [(r["seed"], r["dtype"]) for r in rows] == [(7, "auto")]
     assert rows[0]["rest"] == {"questions": 2, "closure": pytest.approx(0.5)}
     assert [r["seed"] for r in curve.regions([out], None, None, qa)] == [8]
-    assert curve.regions([out], None, None, qa, dtype="auto") == []
+    with pytest.raises(SystemExit, match="holds no finished point trained in auto"):
+        curve.regions([out], None, None, qa, dtype="auto")  # the budgeted point needs its --minutes
 
 
 def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve(tmp_path, monkeypatch, capsys):
