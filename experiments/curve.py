@@ -30,6 +30,9 @@ at the cartridge's rows, read from an eval in `--eval-store` that scored them on
 default preset's kind): each runs in a fresh store, pays for its own pilot as a first run on a
 machine does, and is keyed by its minutes; its record gives the conversations the budget chose.
 They are a measurement of their own, apart from the curve: `plot --minutes M` shows them.
+A training lever on such a point (`--reuse-store-of "--p 256"` with `--minutes M`) trains its
+twin's conversations on a copy of the twin's store instead: same data, and, for a lever that
+leaves the cost alone, the same time; `compare --minutes M` pairs the two.
 `--dtype` selects the points trained in one dtype; a selection that holds one point in two
 dtypes is refused, since a mean would count it twice.
 
@@ -221,6 +224,17 @@ def smaller_point(store: Path, doc: str, seed: int, n: int, dtype: str, extra: S
     return max(found)[1] if found else None
 
 
+def twin_conversations(store: Path) -> int | None:
+    """The conversations a time budget chose for the finished run in `store`; None without one."""
+    from storage import Store
+
+    if not (store / "catalog.duckdb").is_file():
+        return None
+    runs = [r for r in Store(store, read_only=True).catalog.runs()
+            if r["flow"] == "cartridge" and r["status"] == "complete" and (r["summary"] or {}).get("budget")]
+    return int(runs[-1]["summary"]["budget"]["conversations"]) if runs else None
+
+
 def train_argv(doc: str, seed: int, n: int, dtype: str, directory: Path, extra: Sequence[str],
                run_args: Sequence[str] = (), minutes: float | None = None) -> list[str]:
     size = ["--minutes", f"{minutes:g}"] if minutes else ["--conversations", str(n)]
@@ -241,7 +255,7 @@ def eval_argv(qa: Path, doc: str, cartridge: str, eval_store: Path, dtype: str, 
 def make_record(doc: str, seed: int, n: int, dtype: str, eval_dtype: str, extra: Sequence[str], train: dict,
                 evaluation: dict, train_wall: float, eval_wall: float, directory: Path,
                 extra_eval: Sequence[str] = (), minutes: float | None = None) -> dict:
-    planned = int((train.get("budget") or {}).get("conversations") or 0) if minutes else n  # the budget chose
+    planned = int((train.get("budget") or {}).get("conversations") or n)  # the budget chose, or the twin's did
     record = {
         "version": VERSION, "status": "done", "doc": doc, "seed": seed, "conversations_planned": planned,
         "conversations_used": train.get("conversations"), "planned_conversations_train": train.get(
@@ -280,7 +294,9 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
     `run_args`: train options that change how a point runs, not what it makes (`--task-runner
     dask`, `--save-every N`); they stay out of the point's key and store name.
     `reuse_default`: a point with extra train arguments starts from the store of the point whose
-    train arguments are `reuse_of` (the default point's when empty)."""
+    train arguments are `reuse_of` (the default point's when empty). With `minutes` that twin's
+    budget sizes the point: it trains the twin's conversations on the twin's synthesis, so a
+    training lever that leaves the cost alone is paired at equal data and equal time."""
     done = {point_key(r) for r in read_records(out)}
     ran, skipped, failed = [], [], []
     points = plan(docs, seeds, [0] if minutes else conversations)
@@ -293,10 +309,16 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             skipped.append(label)
             continue
         directory = point_dir(store, name, seed, n, dtype, extra, minutes)
-        default = point_dir(store, name, seed, n, dtype, reuse_of)
-        seeded = None
-        if not minutes:  # a time-budgeted point starts fresh: reused work would time its budget short
-            if reuse_default and list(extra) != list(reuse_of) and seed_store(directory, default):
+        default = point_dir(store, name, seed, n, dtype, reuse_of, minutes)
+        seeded, lever = None, reuse_default and list(extra) != list(reuse_of)
+        if minutes and lever:  # a training lever on its twin's synthesis: the twin's budget sized both
+            if (n := twin_conversations(default)) is None:
+                log(f"curve: {label}: no finished twin in {default} to take the synthesis of; point skipped")
+                failed.append({"point": label, "stage": "train", "reason": f"no finished run in {default}"})
+                continue
+            seeded = default if seed_store(directory, default) else None
+        elif not minutes:  # a fresh time-budgeted point starts empty: reused work would time its budget short
+            if lever and seed_store(directory, default):
                 seeded = default
             elif (smaller := smaller_point(store, name, seed, n, dtype, extra)) and seed_store(directory, smaller):
                 seeded = smaller
@@ -304,7 +326,8 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
             log(f"curve: {label}: store copied from {seeded}")
         log(f"curve: [{i}/{len(points)}] {label}: train -> {directory}")
         start = time.perf_counter()
-        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra, run_args, minutes))
+        sized_by = None if minutes and lever else minutes  # a lever trains its twin's conversations
+        code, stdout = runner(train_argv(doc, seed, n, dtype, directory, extra, run_args, sized_by))
         train_wall = time.perf_counter() - start
         try:
             train = last_json(stdout)
@@ -977,7 +1000,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(\"--task-runner dask --save-every 200\"); not part of the point's key")
     p.add_argument("--reuse-default-store", action="store_true",
                    help="start each point with extra train args from a copy of the default point's store "
-                        "(its synthesis and teacher are reused where the arguments leave them unchanged)")
+                        "(its synthesis and teacher are reused where the arguments leave them unchanged); "
+                        "with --minutes, the point trains the conversations its twin's budget chose")
     p.add_argument("--reuse-store-of", metavar="ARGS",
                    help="like --reuse-default-store, from the point whose extra train args are ARGS "
                         "(a lever against a non-default base, such as \"--p 256\")")

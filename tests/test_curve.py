@@ -587,6 +587,33 @@ def test_time_budgeted_points_are_keyed_by_minutes_and_kept_apart_from_the_curve
     assert not (tmp_path / curve.DEFAULT_PNG).exists()
 
 
+def test_a_training_lever_on_a_time_budgeted_point_trains_its_twins_conversations_on_its_synthesis(tmp_path):
+    from storage import Store
+
+    out, store = tmp_path / "levers.jsonl", tmp_path / "store"
+    twin = curve.point_dir(store, "raft", 7, 0, "auto", ["--p", "256"], 30)
+    catalog = Store(twin).catalog
+    catalog.finish_run(catalog.start_run("cartridge"), "complete", {"budget": {"minutes": 30, "conversations": 96}})
+    (twin / "synthesize").mkdir()
+    (twin / "synthesize" / "part-00000.parquet").write_bytes(b"shard")
+    runner = FakeRunner()
+    summary = curve.run_curve(["raft", "panama"], [7], [0], "auto", out, store, extra=["--p", "256", "--frozen", "1"],
+                              runner=runner, reuse_default=True, reuse_of=["--p", "256"], minutes=30)
+    # the twin's budget chose 96 conversations: the lever trains those, on a copy of the twin's store
+    train = runner.calls[0]
+    assert train[train.index("--conversations") + 1] == "96" and "--minutes" not in train
+    lever = Path(train[train.index("--store") + 1])
+    assert lever == curve.point_dir(store, "raft", 7, 0, "auto", ["--p", "256", "--frozen", "1"], 30) != twin
+    assert (lever / "synthesize" / "part-00000.parquet").read_bytes() == b"shard"
+    # keyed by the twin's minutes, so `compare --minutes 30` pairs the two
+    [record] = curve.read_records(out)
+    assert (record["minutes"], record["conversations_planned"], record["store_seeded_from"]) == (30, 96, str(twin))
+    # panama has no twin: nothing is trained for it, and the run says so
+    assert summary["ran"] == ["raft seed 7 30 min"] and [f["point"] for f in summary["failed"]] == [
+        "panama seed 7 30 min"]
+    assert len(runner.calls) == 2
+
+
 def _peer_eval(store: Path, name: str, rows: int, values: dict[str, list[float]], doc: str = "raft.md") -> None:
     d = store / "eval" / name
     d.mkdir(parents=True)
