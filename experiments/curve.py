@@ -55,7 +55,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -316,7 +316,8 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
                 log(f"curve: {label}: no finished twin in {default} to take the synthesis of; point skipped")
                 failed.append({"point": label, "stage": "train", "reason": f"no finished run in {default}"})
                 continue
-            seeded = default if seed_store(directory, default) else None
+            seed_store(directory, default)  # a resumed lever keeps its own copy
+            seeded = default
         elif not minutes:  # a fresh time-budgeted point starts empty: reused work would time its budget short
             if lever and seed_store(directory, default):
                 seeded = default
@@ -648,7 +649,7 @@ def question_changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, floa
 
 
 def pooled(changes: Sequence[Changes], samples: int = 2000, seed: int = 0,
-           groups: Sequence[str] | None = None) -> dict:
+           groups: Sequence[Hashable] | None = None) -> dict:
     """Closure change over several points: each point's mean change in its own closure units
     (its own bare-to-ICL gap), averaged with equal weight. The 95% interval resamples questions
     within each group (a document), one draw for all of a group's points (its seeds, which answer
@@ -713,6 +714,9 @@ def compare_docs(outs: Sequence[Path], docs: Sequence[str], seeds: Sequence[int]
     (`pooled`, a document's seeds sharing its question draws)."""
     if (n is None) == (minutes is None):
         raise SystemExit("curve: size the points by conversations or by minutes, one of the two")
+    if minutes is not None and other_n is not None:
+        raise SystemExit("curve: --other-conversations pairs points sized by conversations; time-budgeted "
+                         "twins share their minutes")
     other_n = n if other_n is None else other_n
     other_dtype = dtype if other_dtype is None else other_dtype
     records = read_all(outs)
@@ -737,7 +741,8 @@ def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: in
     their cartridges differ, so taking the newest would pair whichever ran last."""
     match = [r for r in select(records, args, minutes=minutes, dtype=dtype) if r["doc"] == doc
              and int(r["seed"]) == seed and (minutes is not None or int(r["conversations_planned"]) == n)]
-    where = f"{doc} seed {seed} {size_key(minutes, n or 0) if minutes else f'n {n}'} with train args {shlex.join(args)!r}"
+    budget = f"{minutes:g} min" if minutes else f"n {n}"
+    where = f"{doc} seed {seed} {budget} with train args {shlex.join(args)!r}"
     if not match:
         trained = f" trained in {dtype}" if dtype else ""
         raise SystemExit(f"curve: no point {where}{trained} in " + ", ".join(map(str, outs)))

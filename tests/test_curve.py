@@ -434,6 +434,8 @@ def test_compare_pairs_time_budgeted_twins_across_dtypes_with_seeds_sharing_draw
         curve.compare([out], "raft", 7, None, ["--p", "256"], ["--p", "256"], dtype="float16", minutes=30)
     with pytest.raises(SystemExit, match="by conversations or by minutes"):
         curve.compare([out], "raft", 7, 250, ["--p", "256"], ["--p", "256"], minutes=30)
+    with pytest.raises(SystemExit, match="time-budgeted twins share their minutes"):
+        curve.compare([out], "raft", 7, None, ["--p", "256"], ["--p", "256"], other_n=125, minutes=30)
 
 
 def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
