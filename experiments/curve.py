@@ -145,6 +145,11 @@ def size_key(minutes: float | None, n: int) -> int | str:
     return f"{minutes:g} min" if minutes else n
 
 
+def size_label(minutes: float | None, n: int | None) -> str:
+    """A point's budget as messages name it: "30 min", or "n 250"."""
+    return f"{minutes:g} min" if minutes else f"n {n}"
+
+
 def point_key(record: dict) -> tuple:
     """What makes two points the same measurement."""
     return (record["doc"], int(record["seed"]), size_key(record.get("minutes"), int(record["conversations_planned"])),
@@ -303,7 +308,7 @@ def run_curve(docs: Sequence[str], seeds: Sequence[int], conversations: Sequence
     for i, (doc, seed, n) in enumerate(points, 1):
         name = doc_name(doc)
         key = (name, seed, size_key(minutes, n), dtype, eval_dtype, tuple(extra), tuple(extra_eval))
-        label = f"{name} seed {seed} " + (size_key(minutes, n) if minutes else f"n {n}")
+        label = f"{name} seed {seed} {size_label(minutes, n)}"
         if key in done:
             log(f"curve: [{i}/{len(points)}] {label}: in {out}, skipped")
             skipped.append(label)
@@ -741,8 +746,7 @@ def _point(records: list[dict], outs: Sequence[Path], doc: str, seed: int, n: in
     their cartridges differ, so taking the newest would pair whichever ran last."""
     match = [r for r in select(records, args, minutes=minutes, dtype=dtype) if r["doc"] == doc
              and int(r["seed"]) == seed and (minutes is not None or int(r["conversations_planned"]) == n)]
-    budget = f"{minutes:g} min" if minutes else f"n {n}"
-    where = f"{doc} seed {seed} {budget} with train args {shlex.join(args)!r}"
+    where = f"{doc} seed {seed} {size_label(minutes, n)} with train args {shlex.join(args)!r}"
     if not match:
         trained = f" trained in {dtype}" if dtype else ""
         raise SystemExit(f"curve: no point {where}{trained} in " + ", ".join(map(str, outs)))
@@ -956,12 +960,11 @@ def one_dtype_each(records: Sequence[dict], choose: str) -> None:
     ran last. `choose` says how to pick one."""
     dtypes: dict[tuple, set[str]] = {}
     for r in records:
-        point = (r["doc"], int(r["seed"]), size_key(r.get("minutes"), int(r["conversations_planned"])),
+        point = (r["doc"], int(r["seed"]), size_label(r.get("minutes"), int(r["conversations_planned"])),
                  tuple(r.get("extra_train_args") or ()))
         dtypes.setdefault(point, set()).add(str(r.get("dtype")))
-    for (doc, seed, size, args), found in dtypes.items():
+    for (doc, seed, budget, args), found in dtypes.items():
         if len(found) > 1:
-            budget = size if isinstance(size, str) else f"n {size}"
             raise SystemExit(f"curve: the point {doc} seed {seed} {budget} with train args {shlex.join(args)!r} "
                              f"was trained in {' and '.join(sorted(found))}; choose {choose}")
 
@@ -1089,9 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
         for d in c["per_doc"]:
             closure = (f" = closure {d['closure_change']:+.3f} ({d['closure_change_ci'][0]:+.3f} to "
                        f"{d['closure_change_ci'][1]:+.3f})" if "closure_change" in d else "")
-            budgets = (f"{d['minutes']:g} min" if d["minutes"] else f"n {d['conversations']}"
-                       if d["other_conversations"] == d["conversations"]
-                       else f"n {d['other_conversations']} against n {d['conversations']}")
+            budgets = size_label(d["minutes"], d["conversations"])
+            if d["other_conversations"] != d["conversations"]:
+                budgets = f"n {d['other_conversations']} against {budgets}"
             other, base = repr(args.other), repr(args.base)
             if d["dtype"] != d["other_dtype"]:  # twins trained in two dtypes: name each side's
                 other, base = f"{d['other_dtype']} {other}", f"{d['dtype']} {base}"
