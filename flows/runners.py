@@ -36,6 +36,19 @@ def _api_for_workers() -> contextlib.AbstractContextManager:
     return temporary_settings({PREFECT_API_URL: server.api_url})
 
 
+def _worker_malloc() -> contextlib.AbstractContextManager:
+    """Spawn local workers with glibc's own malloc thresholds.
+
+    Dask's nanny sets MALLOC_TRIM_THRESHOLD_ in its workers, which also fixes glibc's mmap
+    threshold: every tensor over 128 KiB is then mapped and page-faulted afresh. A
+    single-thread bfloat16 synthesis shard of 64 conversations took 70.8 s that way against
+    47.9 s without it (2-core AMD EPYC), 27 s of it in the kernel.
+    """
+    import dask
+
+    return dask.config.set({"distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
+
+
 @contextlib.contextmanager
 def fanout(task_runner: str = "local", dask_address: str | None = None, model: str | None = None,
            device: str | None = None, dtype: str | None = None, dask_workers: int | None = None) -> Iterator[Fanout | None]:
@@ -55,7 +68,7 @@ def fanout(task_runner: str = "local", dask_address: str | None = None, model: s
         threads = max(1, threads // workers)
         runner = DaskTaskRunner(cluster_kwargs={"n_workers": workers, "threads_per_worker": 1,
                                                 "processes": True, "dashboard_address": None})
-    with _api_for_workers(), runner:
+    with _api_for_workers(), _worker_malloc(), runner:
         # Stages call `map` from inside their own task run; submit in the flow's context instead
         # (a task run's context does not serialize), so the pieces are tasks of the flow run.
         flow_context = contextvars.copy_context()

@@ -105,3 +105,37 @@ def test_local_workers_split_the_flows_threads_and_a_remote_cluster_keeps_them(m
             assert remote.model.threads == 4 and made[-1] == {"address": "tcp://elsewhere:8786"}
     finally:
         torch.set_num_threads(before)
+
+
+def test_local_workers_spawn_without_the_nannys_malloc_trim_threshold(monkeypatch):
+    """Dask's default MALLOC_TRIM_THRESHOLD_ pins glibc's mmap threshold, so every large tensor a
+    worker allocates is mapped afresh; the flow's workers are spawned without it."""
+    import contextlib
+
+    import prefect_dask
+    from distributed.nanny import _get_env_variables
+
+    from flows import runners
+
+    key = "distributed.nanny.pre-spawn-environ"
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    seen = []
+
+    class Runner:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):  # where the LocalCluster's nannies would spawn their workers
+            seen.append(_get_env_variables(key))
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(prefect_dask, "DaskTaskRunner", Runner)
+    monkeypatch.setattr(runners, "_api_for_workers", contextlib.nullcontext)
+    assert "MALLOC_TRIM_THRESHOLD_" in _get_env_variables(key)  # dask's default, under this name
+    with runners.fanout("dask", dask_workers=2):
+        pass
+    assert "MALLOC_TRIM_THRESHOLD_" not in seen[0] and seen[0]["OMP_NUM_THREADS"] == "1"
+    assert "MALLOC_TRIM_THRESHOLD_" in _get_env_variables(key)  # restored for everything else
