@@ -17,7 +17,7 @@ order of increasing conversations, so the cheap end of the curve lands first.
     python -m experiments.curve compare --doc raft [photosynthesis ...] --seed 7 [8] --conversations 250 [--base ""]
         --other "--lr 2e-2" [--other-conversations 125] [--json]
     python -m experiments.curve compare --doc raft panama --seed 7 8 --minutes 30 --base "--p 256"
-        --other "--p 256" --dtype float32 --other-dtype auto [--json]
+        --other "--p 256" --dtype float32 --other-dtype auto [--other-out NEWER.jsonl] [--json]
     python -m experiments.curve regions [--out ...] [--train-args ""] [--docs raft] [--minutes 30] [--dtype float32]
         [--json]
     python -m experiments.curve peers [--out ...] [--eval-store artifacts/curve/eval-store] [--minutes 30]
@@ -703,18 +703,21 @@ def paired(changes: Changes, samples: int = 2000, seed: int = 0) -> dict:
 
 def compare(outs: Sequence[Path], doc: str, seed: int, n: int | None, base: Sequence[str], other: Sequence[str],
             other_n: int | None = None, dtype: str | None = None, other_dtype: str | None = None,
-            minutes: float | None = None) -> dict:
+            minutes: float | None = None, other_outs: Sequence[Path] | None = None) -> dict:
     """`other` against `base` for one (doc, seed) in the results files, both at `n` conversations or
     `other` at `other_n` (a comparison at equal compute of configurations that differ in cost), or
     both sized by the time budget `minutes` (equal compute by construction). `dtype` (and
     `other_dtype`, default `dtype`) picks the training dtype where a point was trained in more
-    than one, or pairs twins trained in two."""
-    return compare_docs(outs, [doc], [seed], n, base, other, other_n, dtype, other_dtype, minutes)["per_doc"][0]
+    than one, or pairs twins trained in two. `other_outs` reads `other` from other results files:
+    the same configuration before and after a change the key does not see (the code, the runner)."""
+    return compare_docs(outs, [doc], [seed], n, base, other, other_n, dtype, other_dtype, minutes,
+                        other_outs)["per_doc"][0]
 
 
 def compare_docs(outs: Sequence[Path], docs: Sequence[str], seeds: Sequence[int], n: int | None,
                  base: Sequence[str], other: Sequence[str], other_n: int | None = None, dtype: str | None = None,
-                 other_dtype: str | None = None, minutes: float | None = None) -> dict:
+                 other_dtype: str | None = None, minutes: float | None = None,
+                 other_outs: Sequence[Path] | None = None) -> dict:
     """`compare` on each (document, seed), and, given several, the closure change over all of them
     (`pooled`, a document's seeds sharing its question draws)."""
     if (n is None) == (minutes is None):
@@ -724,10 +727,12 @@ def compare_docs(outs: Sequence[Path], docs: Sequence[str], seeds: Sequence[int]
                          "twins share their minutes")
     other_n = n if other_n is None else other_n
     other_dtype = dtype if other_dtype is None else other_dtype
-    records = read_all(outs)
+    other_outs = outs if other_outs is None else other_outs
+    sides = (("base", base, n, dtype, outs, read_all(outs)),
+             ("other", other, other_n, other_dtype, other_outs, read_all(other_outs)))
     cells = [(doc, seed) for doc in docs for seed in seeds]
-    points = [{name: _point(records, outs, doc, seed, budget, args, want, minutes)
-               for name, args, budget, want in (("base", base, n, dtype), ("other", other, other_n, other_dtype))}
+    points = [{name: _point(records, files, doc, seed, budget, args, want, minutes)
+               for name, args, budget, want, files, records in sides}
               for doc, seed in cells]
     changes = [question_changes(*(eval_answers(p[k], Path(p[k]["store"]).parent / "eval-store")
                                   for k in ("base", "other"))) for p in points]
@@ -1040,6 +1045,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the other point's conversations (default: --conversations)")
     p.add_argument("--dtype", default=None, help="the training dtype, for a point trained in more than one")
     p.add_argument("--other-dtype", default=None, help="the other point's training dtype (default: --dtype)")
+    p.add_argument("--other-out", nargs="+", default=None,
+                   help="results files the other point is read from (default: --out), to pair one "
+                        "configuration before and after a change its key does not see")
     p.add_argument("--json", action="store_true")
     p = sub.add_parser("peers", help="the points' closure against the compression peers' at the same rows (paired)")
     p.add_argument("--out", nargs="+", default=[DEFAULT_OUT], help="results files to read")
@@ -1088,7 +1096,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compare":
         c = compare_docs([Path(o) for o in args.out], args.doc, args.seed, args.conversations,
                          shlex.split(args.base), shlex.split(args.other), args.other_conversations,
-                         args.dtype, args.other_dtype, args.minutes)
+                         args.dtype, args.other_dtype, args.minutes,
+                         [Path(o) for o in args.other_out] if args.other_out else None)
         for d in c["per_doc"]:
             closure = (f" = closure {d['closure_change']:+.3f} ({d['closure_change_ci'][0]:+.3f} to "
                        f"{d['closure_change_ci'][1]:+.3f})" if "closure_change" in d else "")
@@ -1098,6 +1107,8 @@ def main(argv: list[str] | None = None) -> int:
             other, base = repr(args.other), repr(args.base)
             if d["dtype"] != d["other_dtype"]:  # twins trained in two dtypes: name each side's
                 other, base = f"{d['other_dtype']} {other}", f"{d['dtype']} {base}"
+            if args.other_out:  # one configuration from two results files: name each side's
+                other, base = f"{other} ({' '.join(args.other_out)})", f"{base} ({' '.join(args.out)})"
             print(f"{d['doc']} seed {d['seed']} {budgets}: {other} against {base}: gold NLL "
                   f"{d['gold_nll_change']:+.3f} ({d['gold_nll_change_ci'][0]:+.3f} to "
                   f"{d['gold_nll_change_ci'][1]:+.3f}){closure}; lower on {d['better']} of {d['questions']} "

@@ -438,6 +438,30 @@ def test_compare_pairs_time_budgeted_twins_across_dtypes_with_seeds_sharing_draw
         curve.compare([out], "raft", 7, None, ["--p", "256"], ["--p", "256"], other_n=125, minutes=30)
 
 
+def test_compare_reads_the_other_point_from_other_results_files(tmp_path, capsys):
+    """One configuration measured before and after a change its key does not see: same key, two files."""
+    before, after = tmp_path / "before.jsonl", tmp_path / "after.jsonl"
+    bare, icl = [6.0, 5.0, 7.0, 6.0], [4.0, 3.0, 5.0, 4.0]  # gap 2 on every question
+    for out, cart in ((before, [5.0, 4.0, 6.0, 5.0]), (after, [4.0, 4.0, 5.0, 5.0])):
+        rec = _with_questions("raft", 7, {"bare": bare, "icl": icl, "cartridge": cart})
+        rec.update(dtype="auto", extra_train_args=["--p", "256"])
+        curve.append_record(out, rec)
+    c = curve.compare([before], "raft", 7, None, ["--p", "256"], ["--p", "256"], minutes=30, other_outs=[after])
+    assert c["gold_nll_change"] == pytest.approx(-0.5) and c["closure_change"] == pytest.approx(0.25)
+    assert curve.compare([before], "raft", 7, None, ["--p", "256"], ["--p", "256"],
+                         minutes=30)["gold_nll_change"] == 0.0  # without it, the point against itself
+    assert curve.main(["compare", "--out", str(before), "--other-out", str(after), "--doc", "raft", "--seed", "7",
+                       "--minutes", "30", "--base=--p 256", "--other=--p 256"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"raft seed 7 30 min: '--p 256' ({after}) against '--p 256' ({before}): gold NLL -0.500")
+    lone = _with_questions("raft", 8, {"bare": bare, "icl": icl, "cartridge": bare})
+    lone.update(dtype="auto", extra_train_args=["--p", "256"])
+    curve.append_record(before, lone)  # seed 8 measured before only: the missing side is named
+    with pytest.raises(SystemExit, match=f"no point raft seed 8 .* in {after}$"):
+        curve.compare_docs([before], ["raft"], [8], None, ["--p", "256"], ["--p", "256"], minutes=30,
+                           other_outs=[after])
+
+
 def test_records_keep_per_question_nlls_so_compare_needs_no_store(tmp_path):
     import shutil
 
