@@ -23,7 +23,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet soak bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-dtype curve curve-plot clean gpu-check-dry
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet soak bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-workers bench-dtype curve curve-plot clean gpu-check-dry
 
 setup: $(STAMP)
 
@@ -132,6 +132,10 @@ bench-pipeline: setup
 # bfloat16 against float32 side by side on this machine, and what --dtype auto picks here.
 bench-dtype: setup
 	$(BIN)/python -m experiments.bench_dtype --json
+
+# One synthesis shard as a Dask worker runs it, with and without the nanny's malloc setting.
+bench-workers: setup
+	$(BIN)/python -m bench.bench_workers --json
 
 bench-spec: setup
 	$(BIN)/python -m bench.bench_spec $(DTYPE_ARG) --json

@@ -52,6 +52,10 @@ BENCHES = (
           (("pipeline_over_reference", "self-study conversations/hour: pipeline vs transformers reference", ">= 4x"),),
           ("conversations_per_hour", "reference_conversations_per_hour", "s_per_conversation",
            "synthesis_tokens_per_s", "teacher_tokens_per_s", "train_tokens_per_s")),
+    Bench("workers", "bench.bench_workers", (), ("--conversations", "4", "--max-a", "8"),
+          (("flow_over_nanny_malloc", "a worker's synthesis shard: as the flow spawns it vs with Dask's "
+            "MALLOC_TRIM_THRESHOLD_", ">= 1x"),),
+          ("flow_s", "nanny_malloc_s")),
     Bench("speculation", "bench.bench_spec", (),
           ("--conversations", "4", "--max-a", "12", "--max-new", "12"),
           (("synthesis_spec_over_plain", "bot B drafting 3 tokens per step vs plain (same answers)", "> 1x to be on by default"),
