@@ -13,6 +13,7 @@ Run: `python -m bench.bench_workers [--corpus FILE] [--conversations 64] [--json
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -47,7 +48,8 @@ def shard(corpus: str, conversations: int, dtype: str, max_a: int | None) -> dic
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {"seconds": wall, "system_s": after.ru_stime - before.ru_stime, "rows": len(rows),
-            "answer_tokens": sum(r["a_tokens"] for r in rows), "dtype": str(lm.dtype).removeprefix("torch.")}
+            "answers": hashlib.sha256(json.dumps([r["answer"] for r in rows]).encode()).hexdigest(),
+            "dtype": str(lm.dtype).removeprefix("torch.")}
 
 
 def arm(argv: list[str], extra_env: dict[str, str]) -> dict:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     result = {"flow_over_nanny_malloc": round(ratio, 3), "flow_s": round(flow["seconds"], 2),
               "nanny_malloc_s": round(nanny["seconds"], 2), "flow_system_s": round(flow["system_s"], 2),
               "nanny_malloc_system_s": round(nanny["system_s"], 2), "conversations": flow["rows"],
-              "dtype": flow["dtype"], "same_answers": flow["answer_tokens"] == nanny["answer_tokens"]}
+              "dtype": flow["dtype"], "same_answers": flow["answers"] == nanny["answers"]}
     print(json.dumps(result), flush=True)
     return result
 

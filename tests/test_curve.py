@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -457,7 +458,7 @@ def test_compare_reads_the_other_point_from_other_results_files(tmp_path, capsys
     lone = _with_questions("raft", 8, {"bare": bare, "icl": icl, "cartridge": bare})
     lone.update(dtype="auto", extra_train_args=["--p", "256"])
     curve.append_record(before, lone)  # seed 8 measured before only: the missing side is named
-    with pytest.raises(SystemExit, match=f"no point raft seed 8 .* in {after}$"):
+    with pytest.raises(SystemExit, match=f"no point raft seed 8 .* in {re.escape(str(after))}$"):
         curve.compare_docs([before], ["raft"], [8], None, ["--p", "256"], ["--p", "256"], minutes=30,
                            other_outs=[after])
 
