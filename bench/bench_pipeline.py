@@ -29,13 +29,13 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 import stages.synthesize as synthesize
 import stages.teacher as teacher
+from bench.plans import document_plan
 from cartridges.core.batch import Stream
 from cartridges.core.cartridge import init_cartridge
 from cartridges.core.generate import Generation
 from cartridges.core.models import LoadedModel, load_model
 from cartridges.core.train import group_backward, make_optimizer
 from schemas import TABLES, ChunkConfig, SynthConfig, TeacherConfig, TrainConfig
-from stages.chunks import plan_chunks
 from stages.train import load_examples
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     chunk_cfg = ChunkConfig(conversations=args.conversations, heldout=0)
     chunk_cfg = chunk_cfg.replace(per_chunk=args.per_chunk or chunk_cfg.per_chunk)
-    plan = plan_chunks([{"doc_id": 0, "token_ids": ids}], chunk_cfg)
-    contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
+    plan, contexts = document_plan(lm.tokenizer, ids, chunk_cfg)
     synth = SynthConfig()
     synth = replace(synth, max_a=args.max_a or synth.max_a, max_q=args.max_q or synth.max_q)
     ref_synth = replace(synth, gen_batch=16, keep_topk=0)  # batch 16, and a teacher pass of its own

@@ -21,13 +21,13 @@ from dataclasses import replace
 import torch
 
 import stages.synthesize as synthesize
+from bench.plans import document_plan
 from cartridges.core.batch import Stream
 from cartridges.core.chat import end_of_turn_ids, without_system
 from cartridges.core.generate import generate
 from cartridges.core.models import load_model
 from cartridges.core.prefix import capture_rows
 from schemas import ChunkConfig, SynthConfig
-from stages.chunks import plan_chunks
 
 QUESTIONS = (
     "Explain in detail, quoting the document, how leader election works.",
@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {**lm.dtype_record(), "draft": args.draft, "corpus_tokens": len(doc)}
 
     if not args.skip_synthesis:
-        plan = plan_chunks([{"doc_id": 0, "token_ids": doc}], ChunkConfig(conversations=args.conversations, heldout=0))
-        contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
+        plan, contexts = document_plan(lm.tokenizer, doc, ChunkConfig(conversations=args.conversations, heldout=0))
         synth = SynthConfig()
         synth = replace(synth, max_a=args.max_a or synth.max_a)
         plain_s, plain_rows, _ = synthesis_arm(lm, plan, contexts, synth)

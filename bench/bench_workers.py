@@ -30,16 +30,15 @@ def shard(corpus: str, conversations: int, dtype: str, max_a: int | None) -> dic
     import torch
 
     import stages.synthesize as synthesize
+    from bench.plans import document_plan
     from cartridges.core.models import load_model
     from schemas import ChunkConfig, SynthConfig
-    from stages.chunks import plan_chunks
 
     torch.set_num_threads(1)
     lm = load_model(None, None, dtype)
     with open(corpus, encoding="utf-8") as f:
         ids = lm.tokenizer(f.read(), add_special_tokens=False)["input_ids"]
-    plan = plan_chunks([{"doc_id": 0, "token_ids": ids}], ChunkConfig(conversations=conversations, heldout=0))
-    contexts = [synthesize.chunk_context(c, {0: "doc"}, False, lm.tokenizer) for c in plan]
+    plan, contexts = document_plan(lm.tokenizer, ids, ChunkConfig(conversations=conversations, heldout=0))
     synth = SynthConfig()
     synth = replace(synth, gen_batch=len(plan), max_a=max_a or synth.max_a)
     before = resource.getrusage(resource.RUSAGE_SELF)
