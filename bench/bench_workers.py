@@ -32,6 +32,7 @@ def shard(corpus: str, conversations: int, dtype: str, max_a: int | None) -> dic
     import stages.synthesize as synthesize
     from bench.plans import document_plan
     from cartridges.core.models import load_model
+    from cartridges.core.speed import dtype_name
     from schemas import ChunkConfig, SynthConfig
 
     torch.set_num_threads(1)
@@ -48,7 +49,7 @@ def shard(corpus: str, conversations: int, dtype: str, max_a: int | None) -> dic
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {"seconds": wall, "system_s": after.ru_stime - before.ru_stime, "rows": len(rows),
             "answers": hashlib.sha256(json.dumps([r["answer"] for r in rows]).encode()).hexdigest(),
-            "dtype": str(lm.dtype).removeprefix("torch.")}
+            "dtype": dtype_name(lm.dtype)}
 
 
 def arm(argv: list[str], extra_env: dict[str, str]) -> dict:
