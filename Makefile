@@ -23,7 +23,7 @@ PORT ?= 8080
 DOC ?=
 CARTRIDGE ?=
 
-.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet soak bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-workers bench-dtype curve curve-plot clean gpu-check-dry
+.PHONY: setup model-gemma3 demo test lint equiv cartridge fleet retrain deploy deploy-stop sql serve serve-fleet soak bench bench-synth bench-train bench-serve bench-pipeline bench-spec bench-workers bench-fanout bench-dtype curve curve-plot clean gpu-check-dry
 
 setup: $(STAMP)
 
@@ -136,6 +136,10 @@ bench-dtype: setup
 # One synthesis shard as a Dask worker runs it, with and without the nanny's malloc setting.
 bench-workers: setup
 	$(BIN)/python -m bench.bench_workers --json
+
+# Synthesis shards side by side in this process (one thread each) against one after another.
+bench-fanout: setup
+	$(BIN)/python -m bench.bench_fanout --json
 
 bench-spec: setup
 	$(BIN)/python -m bench.bench_spec $(DTYPE_ARG) --json

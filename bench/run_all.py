@@ -56,6 +56,10 @@ BENCHES = (
           (("flow_over_nanny_malloc", "a worker's synthesis shard: as the flow spawns it vs with Dask's "
             "MALLOC_TRIM_THRESHOLD_", ">= 1x"),),
           ("flow_s", "nanny_malloc_s")),
+    Bench("fanout", "bench.bench_fanout", (), ("--conversations", "2", "--max-a", "8", "--rounds", "1"),
+          (("side_by_side_over_sequential", "synthesis shards side by side in one process, one thread each, vs "
+            "one after another on every thread", ">= 1x"),),
+          ("sequential_s_per_conversation", "side_by_side_s_per_conversation")),
     Bench("speculation", "bench.bench_spec", (),
           ("--conversations", "4", "--max-a", "12", "--max-new", "12"),
           (("synthesis_spec_over_plain", "bot B drafting 3 tokens per step vs plain (same answers)", "> 1x to be on by default"),

@@ -42,7 +42,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 def add_runner_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-runner", choices=("local", "dask"), default="local",
-                        help="where shards and per-document work run: this process, or Dask workers (prefect-dask)")
+                        help="where shards and per-document work run: this process (side by side on its cores, one thread each), or Dask workers (prefect-dask)")
     parser.add_argument("--dask-address", default=None,
                         help="scheduler of an existing Dask cluster, tcp://HOST:PORT (default: a local cluster)")
 

@@ -76,10 +76,13 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     if args.no_prefect:
         from cartridges.core.models import load_model
         from jobs.fleet import run_fleet
+        from stages.fanout import in_process
         from storage import Store
 
-        summary = run_fleet(Store(args.store), load_model(args.model, args.device, args.dtype), docs, args.fleet, cfg,
-                            resume=args.resume, eval_distractors=args.eval_distractors, lock_wait=args.wait)
+        lm = load_model(args.model, args.device, args.dtype)
+        summary = run_fleet(Store(args.store), lm, docs, args.fleet, cfg, resume=args.resume,
+                            eval_distractors=args.eval_distractors, lock_wait=args.wait,
+                            fanout=in_process(lm, args.model, args.device))
     else:
         from flows.ephemeral import server_errors
         from flows.fleet import fleet_flow

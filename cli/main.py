@@ -92,10 +92,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.no_prefect:
         from cartridges.core.models import load_model
         from jobs.pipeline import run_pipeline
+        from stages.fanout import in_process
         from storage import Store
 
-        summary = run_pipeline(Store(args.store), load_model(args.model, args.device, args.dtype), corpus, cfg,
-                               save=args.save, force=tuple(force))
+        lm = load_model(args.model, args.device, args.dtype)
+        summary = run_pipeline(Store(args.store), lm, corpus, cfg, save=args.save, force=tuple(force),
+                               fanout=in_process(lm, args.model, args.device))
     else:
         from flows.cartridge import cartridge_flow
         from flows.ephemeral import server_errors

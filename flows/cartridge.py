@@ -29,7 +29,7 @@ def cartridge_flow(
     cfg = pipeline_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device, dtype)
-    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"]) as workers:
+    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"], lm=lm) as workers:
         with cartridge_run(store, lm, corpus, cfg, save, tuple(force or ()), workers) as run:
             for stage in CARTRIDGE:  # ingest -> chunks -> synthesize -> facts -> teacher -> train
                 run.stage(stage, call=as_task)

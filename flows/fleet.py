@@ -36,7 +36,7 @@ def fleet_flow(
     cfg = fleet_preset(preset, config or {})
     store = Store(store_root)
     lm = load_model(model, device, dtype)
-    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"]) as workers:
+    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"], lm=lm) as workers:
         if publish:
             summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, only_changed=False,
                                   notify=partial(notify_reload, serve_url, serve_pid_file), lock_wait=lock_wait)

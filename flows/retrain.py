@@ -32,7 +32,7 @@ def retrain_flow(
     store = Store(store_root)
     lm = load_model(model, device, dtype)
     notify = partial(notify_reload, serve_url, serve_pid_file)
-    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"]) as workers:
+    with fanout(task_runner, dask_address, model, device, lm.dtype_record()["dtype"], lm=lm) as workers:
         summary = run_retrain(store, lm, docs, fleet, cfg, call=as_task, fanout=workers, notify=notify,
                               lock_wait=lock_wait)
     publish_report(summary, "retrain-summary", "fleet retrain run")

@@ -1,7 +1,8 @@
 """Where a flow's independent pieces run: in the flow process, or on Dask workers (prefect-dask).
 
-`fanout(...)` yields None for in-process runs, else a `stages.fanout.Fanout` whose
-`map` submits each job as a Prefect task to a `DaskTaskRunner`: a temporary
+`fanout(...)` yields a `stages.fanout.Fanout`. In-process ("local") it runs the jobs on
+this process's cores (`stages.fanout.in_process`; None where that gains nothing). With
+"dask", its `map` submits each job as a Prefect task to a `DaskTaskRunner`: a temporary
 LocalCluster, or the scheduler at `dask_address` (workers on other machines need
 the same code, model files and store root, e.g. a shared filesystem).
 """
@@ -16,7 +17,8 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
-from stages.fanout import Fanout, WorkerModel
+from cartridges.core.models import LoadedModel
+from stages.fanout import Fanout, WorkerModel, in_process
 
 RUNNERS = ("local", "dask")
 
@@ -51,11 +53,13 @@ def _worker_malloc() -> contextlib.AbstractContextManager:
 
 @contextlib.contextmanager
 def fanout(task_runner: str = "local", dask_address: str | None = None, model: str | None = None,
-           device: str | None = None, dtype: str | None = None, dask_workers: int | None = None) -> Iterator[Fanout | None]:
+           device: str | None = None, dtype: str | None = None, dask_workers: int | None = None,
+           lm: LoadedModel | None = None) -> Iterator[Fanout | None]:
+    """`lm` is the flow's loaded model, which the in-process jobs share."""
     if task_runner not in RUNNERS:
         raise ValueError(f"task runner {task_runner!r}: choose one of {', '.join(RUNNERS)}")
     if task_runner == "local":
-        yield None
+        yield None if lm is None else in_process(lm, model, device)
         return
     from prefect_dask import DaskTaskRunner
 

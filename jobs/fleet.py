@@ -103,7 +103,9 @@ def _initialize(lm: LoadedModel, job: dict) -> DocEntry:
         res = new_resident(lm, entry, job["text"], job["p"], job["frozen"], job["lr"])
     except CorpusError as exc:
         raise CorpusError(f"{job['path']}: {exc}") from exc
-    return save_resident(Path(job["directory"]), lm, entry, res)
+    saved = save_resident(Path(job["directory"]), lm, entry, res)
+    fault_point(f"fleet.prepare.{entry.doc_id}")
+    return saved
 
 
 def init_document(job: dict) -> dict:
@@ -166,7 +168,6 @@ def prepare(lm: LoadedModel, documents: list[dict], directory: Path, config: Fle
                "p": config.p, "frozen": config.frozen, "lr": config.lr}
         if fanout is None:
             fresh = _initialize(lm, job)
-            fault_point(f"fleet.prepare.{doc_id}")
         else:
             jobs.append({**job, "model": fanout.model})
         entries.append(fresh)
