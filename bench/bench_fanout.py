@@ -13,7 +13,6 @@ Run: `python -m bench.bench_fanout [--corpus FILE] [--conversations 32] [--json]
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -22,15 +21,11 @@ from dataclasses import replace
 import torch
 
 import stages.synthesize as synthesize
-from bench.plans import document_plan
+from bench.plans import answers_hash, document_plan
 from cartridges.core.models import LoadedModel, load_model
 from cartridges.core.speed import dtype_name
 from schemas import ChunkConfig, SynthConfig
 from stages.fanout import in_process
-
-
-def answers(rows: list[list[dict]]) -> str:
-    return hashlib.sha256(json.dumps([r["answer"] for shard in rows for r in shard]).encode()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -81,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
               "sequential_s_per_conversation": round(seconds["sequential"] / args.rounds / n, 3),
               "side_by_side_s_per_conversation": round(seconds["side_by_side"] / args.rounds / n, 3),
               "conversations": n, "shards": len(shards), "threads": threads, "dtype": dtype_name(lm.dtype),
-              "same_answers": answers(rows["sequential"]) == answers(rows["side_by_side"])}
+              "same_answers": answers_hash(sum(rows["sequential"], [])) == answers_hash(sum(rows["side_by_side"], []))}
     print(json.dumps(result), flush=True)
     return result
 

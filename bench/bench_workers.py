@@ -13,7 +13,6 @@ Run: `python -m bench.bench_workers [--corpus FILE] [--conversations 64] [--json
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import resource
@@ -30,7 +29,7 @@ def shard(corpus: str, conversations: int, dtype: str, max_a: int | None) -> dic
     import torch
 
     import stages.synthesize as synthesize
-    from bench.plans import document_plan
+    from bench.plans import answers_hash, document_plan
     from cartridges.core.models import load_model
     from cartridges.core.speed import dtype_name
     from schemas import ChunkConfig, SynthConfig
@@ -48,7 +47,7 @@ def shard(corpus: str, conversations: int, dtype: str, max_a: int | None) -> dic
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_SELF)
     return {"seconds": wall, "system_s": after.ru_stime - before.ru_stime, "rows": len(rows),
-            "answers": hashlib.sha256(json.dumps([r["answer"] for r in rows]).encode()).hexdigest(),
+            "answers": answers_hash(rows),
             "dtype": dtype_name(lm.dtype)}
 
 

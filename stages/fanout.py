@@ -14,7 +14,7 @@ process, `in_process` runs the jobs on one Python thread per core, each at one t
 the small model's generation parallelizes poorly inside one operator, so two single-thread
 shards side by side beat one shard on two threads (on a 2-core CPU without native bfloat16,
 32 float32 conversations took 58 s on two threads of one process, 56 s on two processes and
-74 s on one two-thread process; `make bench-workers` measures it on the machine at hand).
+74 s on one two-thread process; `make bench-fanout` measures it on the machine at hand).
 Nothing here knows about Prefect or Dask.
 """
 
@@ -47,6 +47,11 @@ class WorkerModel:
     threads: int
     dtype: str | None = None
 
+    @property
+    def key(self) -> tuple:
+        """What makes two references the same loaded model (the thread count does not)."""
+        return (self.spec, self.device, self.dtype)
+
 
 @dataclass(frozen=True)
 class Fanout:
@@ -69,11 +74,10 @@ _LOCK = threading.Lock()
 def worker_model(ref: WorkerModel) -> LoadedModel:
     """The model for this process (loaded on first use), with the flow's thread count set."""
     torch.set_num_threads(ref.threads)
-    key = (ref.spec, ref.device, ref.dtype)
     with _LOCK:
-        if key not in _MODELS:
-            _MODELS[key] = load_model(ref.spec, ref.device, ref.dtype)
-        return _MODELS[key]
+        if ref.key not in _MODELS:
+            _MODELS[ref.key] = load_model(ref.spec, ref.device, ref.dtype)
+        return _MODELS[ref.key]
 
 
 def in_process(lm: LoadedModel, spec: str | None = None, device: str | None = None) -> Fanout | None:
@@ -84,7 +88,7 @@ def in_process(lm: LoadedModel, spec: str | None = None, device: str | None = No
         return None
     ref = WorkerModel(spec, device, 1, dtype_name(lm.dtype))
     with _LOCK:
-        _MODELS[(ref.spec, ref.device, ref.dtype)] = lm  # the jobs use the flow's own model
+        _MODELS[ref.key] = lm  # the jobs use the flow's own model
 
     def map_threads(fn: Callable[[Any], Any], jobs: list[Any], done: Callable[[Any], None] | None = None) -> list[Any]:
         if not jobs:
