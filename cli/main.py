@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     add_pipeline_args(p)
     p.add_argument("--save", default=None, help="copy the trained cartridge to this path")
-    p.add_argument("--force", action="append", choices=STAGES, help="recompute this stage despite a fingerprint hit")
+    p.add_argument("--force", action="append", choices=STAGES, help="compute this stage afresh (no fingerprint hit, no shards resumed or copied in)")
     p.add_argument("--force-all", action="store_true", help="recompute every stage")
     p.add_argument("--no-prefect", action="store_true", help="call the stages directly, without a Prefect flow run")
     add_runner_args(p)
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=STAGES)
     add_model_args(p)
     add_pipeline_args(p)
-    p.add_argument("--force", action="store_true", dest="force_stage", help="recompute despite a fingerprint hit")
+    p.add_argument("--force", action="store_true", dest="force_stage", help="compute afresh (no fingerprint hit, no shards resumed or copied in)")
     add_common(p)
 
     p = sub.add_parser("runs", help="list runs and artifacts with their status")

@@ -13,7 +13,7 @@ import dataclasses
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from cartridges.core.health import health_fields
@@ -21,6 +21,8 @@ from cartridges.core.models import LoadedModel
 from cartridges.core.speed import machine_id
 from jobs import Call, plain
 from jobs.plan import (
+    PILOT,
+    TIMED,
     Rates,
     corpus_tokens,
     earlier_rates,
@@ -30,6 +32,7 @@ from jobs.plan import (
     plan_line,
     rates_line,
     resolve,
+    taken,
 )
 from jobs.report import write_run_report
 from schemas import HealthConfig, PipelineConfig
@@ -42,7 +45,6 @@ from storage import StageResult, Store
 from storage.atomic import atomic_path
 
 NAME = "cartridge"
-PILOT = "pilot"
 
 
 class CartridgeRun:
@@ -64,9 +66,11 @@ class CartridgeRun:
 def cartridge_run(
     store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig = PipelineConfig(),
     save: str | Path | None = None, force: tuple[str, ...] = (), fanout: Fanout | None = None,
+    run_id: str | None = None,
 ) -> Iterator[CartridgeRun]:
     """The catalog run around the stage calls made in the `with` body; on leaving it, the run's
-    summary (in `.summary`) and report are written and the run is closed (failed on an error)."""
+    summary (in `.summary`) and report are written and the run is closed (failed on an error).
+    With `run_id`, the stages record under that run, which its caller opened and closes (a pilot's)."""
     tokens = corpus_tokens(lm.tokenizer, corpus)
     config, budget = resolve(config, tokens), None
     if config.budget.minutes is None:
@@ -75,32 +79,36 @@ def cartridge_run(
     else:
         rates, source, pilot = pilot_rates(store, lm, corpus, config, fanout)
         spent = 0.0 if pilot_paid(store, pilot["run_id"]) else pilot["seconds"]
-        config = fit_minutes(config, rates, spent)
-        estimate = rates.seconds(config)
+        config = fit_minutes(config, rates, spent, pilot["conversations"])
+        estimate = rates.seconds(config, pilot["conversations"])
         budget = {"minutes": config.budget.minutes, "conversations": config.chunks.conversations,
                   "estimate_seconds": estimate, "rates": dataclasses.asdict(rates),
-                  "pilot": pilot["run_id"], "pilot_seconds": spent}
-        print(rates_line(config, rates, source, spent), flush=True)
+                  "pilot": pilot["run_id"], "pilot_seconds": spent,
+                  "taken": taken(config, pilot["conversations"])}
+        print(rates_line(config, rates, source, spent, pilot["conversations"]), flush=True)
         print(plan_line(config, tokens, rates, "at the pilot's speeds"), flush=True)
-    run_id = store.catalog.start_run(NAME)
+    held = run_id is not None
+    run_id = run_id or store.catalog.start_run(NAME)
     started = time.perf_counter()
-    with store.catalog.failing_run(run_id):
+    with nullcontext() if held else store.catalog.failing_run(run_id):
         run = CartridgeRun(Job(store, lm, tuple(corpus), run_id, frozenset(force), fanout), config, budget)
         yield run
         run.summary = finish(run, save, time.perf_counter() - started)
-        status = "complete" if run.summary["health"] == "ok" else "failed"
-        store.catalog.finish_run(run_id, status, run.summary)
+        if not held:
+            status = "complete" if run.summary["health"] == "ok" else "failed"
+            store.catalog.finish_run(run_id, status, run.summary)
 
 
 def run_pipeline(
     store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig = PipelineConfig(),
     save: str | Path | None = None, force: tuple[str, ...] = (), fanout: Fanout | None = None,
+    run_id: str | None = None,
 ) -> dict:
     """Run every stage (skipping unchanged ones) and return the run summary.
 
     With `fanout`, synthesis and teacher shards run on its workers (same rows as in-process).
     """
-    with cartridge_run(store, lm, corpus, config, save, force, fanout) as run:
+    with cartridge_run(store, lm, corpus, config, save, force, fanout, run_id) as run:
         for stage in CARTRIDGE:
             run.stage(stage)
     return run.summary
@@ -109,32 +117,39 @@ def run_pipeline(
 def pilot_rates(
     store: Store, lm: LoadedModel, corpus: list[str | Path], config: PipelineConfig, fanout: Fanout | None,
 ) -> tuple[Rates, str, dict]:
-    """This machine's `Rates` for `config`, where they come from, and the pilot run (its id and
-    seconds): this store's pilot run for the same config, model, machine and corpus, or a new one.
-    The pilot runs in a scratch store under this one (so its timings are never shortened by
-    reused work) that is removed after; the catalog keeps its rates, so a rerun (after a crash,
-    say) sizes the run alike and resumes it. Speeds are per corpus: on three 3,000-token
-    documents a pilot of one sized the others' 30 minutes 16-19% wrong (docs/PIPELINE.md)."""
+    """This machine's `Rates` for `config`, where they come from, and the pilot run (its id, its
+    seconds, and the planned conversations the run may take over from it: none where the seeds
+    differ): this store's pilot run for the same config, model, machine and corpus, or a new one.
+    The pilot runs in this store with the stages it times computed afresh (so reused work never
+    shortens them), and the run it sizes takes over its synthesis shards; the catalog keeps its
+    rates, so a rerun (after a crash, say) sizes the run alike and resumes it. Speeds are per
+    corpus: on three 3,000-token documents a pilot of one sized the others' 30 minutes 16-19%
+    wrong (docs/PIPELINE.md)."""
     pilot = pilot_config(config, fanout.workers if fanout else 1)
     key = pilot_key(pilot, lm.compute_id, corpus)
     for run in reversed(store.catalog.runs()):
-        if run["flow"] == PILOT and run["status"] == "complete" and (run["summary"] or {}).get("key") == key:
-            found = {"run_id": run["run_id"], "seconds": run["summary"]["seconds"]}
-            return Rates(**run["summary"]["rates"]), f"speeds from pilot run {run['run_id']}", found
-    scratch = store.root / PILOT / key
-    shutil.rmtree(scratch, ignore_errors=True)  # a crashed pilot's partial work would time short
+        s = run["summary"] or {}
+        if run["flow"] == PILOT and run["status"] == "complete" and s.get("key") == key:
+            found = {"run_id": run["run_id"], "seconds": s["seconds"],
+                     "conversations": s["conversations"] if s.get("seeds") == _seeds(config) else 0}
+            return Rates(**s["rates"]), f"speeds from pilot run {run['run_id']}", found
     print(f"budget: a pilot run of {pilot.chunks.conversations} conversations measures this machine's speeds",
           flush=True)
     run_id = store.catalog.start_run(PILOT)
     with store.catalog.failing_run(run_id):
-        summary = run_pipeline(Store(scratch), lm, corpus, pilot, fanout=fanout)
+        summary = run_pipeline(store, lm, corpus, pilot, force=TIMED, fanout=fanout, run_id=run_id)
         rates = Rates.of(summary)
         store.catalog.finish_run(run_id, "complete", {
             "key": key, "rates": dataclasses.asdict(rates), "seconds": summary["seconds"],
-            "conversations": summary["planned_conversations"], "model_id": lm.compute_id,
-            "machine": machine_id()})
-    shutil.rmtree(scratch, ignore_errors=True)
-    return rates, f"speeds measured by pilot run {run_id}", {"run_id": run_id, "seconds": summary["seconds"]}
+            "conversations": summary["planned_conversations"], "seeds": _seeds(pilot),
+            "model_id": lm.compute_id, "machine": machine_id()})
+    found = {"run_id": run_id, "seconds": summary["seconds"], "conversations": summary["planned_conversations"]}
+    return rates, f"speeds measured by pilot run {run_id}", found
+
+
+def _seeds(config: PipelineConfig) -> list[int]:
+    """The seeds that choose a run's spans and questions: a pilot's shards serve runs with its seeds."""
+    return [config.chunks.seed, config.synth.seed]
 
 
 def pilot_paid(store: Store, pilot_id: str) -> bool:

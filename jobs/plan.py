@@ -20,6 +20,9 @@ from cartridges.core.speed import machine_id
 from schemas import PipelineConfig
 from storage import Store, canonical_json, sha256_bytes
 
+PILOT = "pilot"  # the catalog flow of a pilot run
+TIMED = ("synthesize", "facts", "teacher", "train")  # the stages whose times `Rates` reads
+
 
 def corpus_tokens(tokenizer, corpus: list[str | Path]) -> int:
     return sum(len(tokenizer(read_text(p), add_special_tokens=False)["input_ids"]) for p in expand(corpus))
@@ -88,24 +91,35 @@ class Rates:
     def steps(self, config: PipelineConfig) -> int:
         return steps_of(config, self.kept)
 
-    def seconds(self, config: PipelineConfig) -> float:
-        """The run of `config` at these rates (held-out conversations are synthesized too)."""
-        rows = (config.chunks.conversations + config.chunks.heldout) * config.synth.turns
+    def seconds(self, config: PipelineConfig, pilot: int = 0) -> float:
+        """The run of `config` at these rates (held-out conversations are synthesized too), less the
+        conversations it takes over from a pilot run of `pilot` planned conversations (`taken`)."""
+        rows = (config.chunks.conversations + config.chunks.heldout - taken(config, pilot)) * config.synth.turns
         return self.fixed + rows * self.per_row + self.steps(config) * self.per_step
 
 
+def taken(config: PipelineConfig, pilot: int) -> int:
+    """Planned conversations (held-out ones included) of `config` that a pilot run with the same
+    seeds, whose plan held `pilot`, already synthesized: the full shards both plans start with
+    (a larger plan starts with the whole of a smaller one, `stages.chunks`)."""
+    size = config.synth.gen_batch
+    return size * min(pilot // size, (config.chunks.conversations + config.chunks.heldout) // size)
+
+
 def earlier_rates(store: Store, model_id: str) -> tuple[Rates | None, int]:
-    """The median `Rates` of this store's earlier runs of this model on this machine that
-    synthesized, scored and trained afresh (reused stages would time short; None with no such
-    run), and how many runs they rest on."""
-    timed = ("synthesize", "facts", "teacher", "train")
+    """The median `Rates` of this store's pilot runs and earlier runs of this model on this machine
+    that synthesized, scored and trained afresh (reused stages, or a pilot's shards taken over,
+    would time short; None with no such run), and how many runs they rest on."""
     found = []
     for run in store.catalog.runs():
         s = run["summary"] or {}
-        if (run["flow"] != "cartridge" or s.get("model_id") != model_id or s.get("machine") != machine_id()
-                or not s.get("steps") or "train_rows" not in s or set(timed) & set(s.get("skipped") or [])):
+        if s.get("model_id") != model_id or s.get("machine") != machine_id():
             continue
-        found.append(Rates.of(s))
+        if run["flow"] == PILOT and run["status"] == "complete" and "rates" in s:
+            found.append(Rates(**s["rates"]))
+        elif (run["flow"] == "cartridge" and s.get("steps") and "train_rows" in s
+              and not set(TIMED) & set(s.get("skipped") or []) and not (s.get("budget") or {}).get("taken")):
+            found.append(Rates.of(s))
     if not found:
         return None, 0
     return Rates(*(statistics.median(getattr(r, f.name) for r in found) for f in dataclasses.fields(Rates))), len(found)
@@ -114,7 +128,8 @@ def earlier_rates(store: Store, model_id: str) -> tuple[Rates | None, int]:
 def pilot_config(config: PipelineConfig, workers: int = 1) -> PipelineConfig:
     """The short run that measures `Rates` for `config`: one synthesis shard per worker, held-out
     conversations included (shards run in lockstep batches, so a smaller or ragged pilot would
-    time smaller batches), one epoch."""
+    time smaller batches), one epoch. Its plan starts the plan of the run it sizes, so that run
+    takes over its synthesis (`taken`)."""
     planned = max(config.chunks.per_chunk, config.synth.gen_batch * workers - config.chunks.heldout)
     budget = config.budget.replace(minutes=None, coverage=None)
     return config.replace(chunks=config.chunks.replace(conversations=planned),
@@ -134,9 +149,10 @@ def pilot_key(pilot: PipelineConfig, model_id: str, corpus: list[str | Path]) ->
         "corpus": [sha256_bytes(t.encode()) for t in texts]}).encode())[:16]
 
 
-def fit_minutes(config: PipelineConfig, rates: Rates, spent: float = 0.0) -> PipelineConfig:
+def fit_minutes(config: PipelineConfig, rates: Rates, spent: float = 0.0, pilot: int = 0) -> PipelineConfig:
     """`chunks.conversations` set to the most that `budget.minutes`, less `spent` seconds (the
-    pilot's, on the first run it sizes), holds at `rates`; a budget too short for one chunk's
+    pilot's, on the first run it sizes), holds at `rates`, the conversations taken over from a
+    pilot whose plan held `pilot` costing nothing; a budget too short for one chunk's
     conversations is an error that says how long the least run takes."""
     seconds = config.budget.minutes * 60 - spent
     turns = config.synth.turns
@@ -146,20 +162,23 @@ def fit_minutes(config: PipelineConfig, rates: Rates, spent: float = 0.0) -> Pip
     def sized(n: int) -> PipelineConfig:
         return config.replace(chunks=config.chunks.replace(conversations=n))
 
-    n, least = int(room // per_conversation), config.chunks.per_chunk
-    while n >= least and rates.seconds(sized(n)) > seconds:  # the last step, rounded up, may not fit
+    ahead = pilot // config.synth.gen_batch * config.synth.gen_batch * turns * rates.per_row  # the most taken
+    n, least = int((room + ahead) // per_conversation), config.chunks.per_chunk
+    while n >= least and rates.seconds(sized(n), pilot) > seconds:  # the last step, rounded up, may not fit
         n -= 1
     if n < least:
-        pilot = f" after the pilot's {spent / 60:.1f} min" if spent else ""
+        after = f" after the pilot's {spent / 60:.1f} min" if spent else ""
         raise CartridgeError(
             f"budget.minutes={config.budget.minutes:g}: too short for this corpus on this machine; "
-            f"the least run ({least} conversations) takes about {math.ceil(rates.seconds(sized(least)) / 60)} min "
-            f"here{pilot}")
+            f"the least run ({least} conversations) takes about "
+            f"{math.ceil(rates.seconds(sized(least), pilot) / 60)} min here{after}")
     return sized(n)
 
 
-def rates_line(config: PipelineConfig, rates: Rates, source: str, spent: float = 0.0) -> str:
-    pilot = f", after the pilot's {spent / 60:.1f} min" if spent else ""
-    return (f"budget: {config.budget.minutes:g} min{pilot} -> {config.chunks.conversations:,} conversations at "
+def rates_line(config: PipelineConfig, rates: Rates, source: str, spent: float = 0.0, pilot: int = 0) -> str:
+    after = f", after the pilot's {spent / 60:.1f} min" if spent else ""
+    shared = taken(config, pilot)
+    ahead = f" ({shared:,} synthesized by the pilot, held-out ones included)" if shared else ""
+    return (f"budget: {config.budget.minutes:g} min{after} -> {config.chunks.conversations:,} conversations{ahead} at "
             f"{rates.per_row:.2f} s per conversation, {rates.per_step:.2f} s per training step and "
             f"{rates.fixed / 60:.1f} min of fixed work ({source})")

@@ -4,7 +4,9 @@ A span serves `per_chunk` consecutive conversations with distinct seed types
 (chunk-major self-study): the bots and the teacher prefill its tokens once for
 all of them. Every random choice comes from an RNG keyed by (seed, split, ...),
 never from a running stream, so span j is the same whatever the number of
-conversations planned, and a larger run extends a smaller one.
+conversations planned. Held-out rows come first, so the plan of a larger run starts with
+the whole plan of a smaller one, and the larger run takes over every full synthesis shard
+the smaller one wrote (a time budget's pilot run, say).
 
 Training spans tile the corpus in passes. One pass lays spans end to end over
 every document from a random offset (`spans.tile`), so it covers every token at
@@ -48,7 +50,7 @@ from stages.job import Job
 from storage import Artifact, StageContext, StageResult, Store, StoreError, done_shards
 
 NAME = "chunks"
-VERSION = 2  # 2: training spans tile every document; held-out spans sampled over whole documents
+VERSION = 3  # 2: training spans tile every document; held-out spans sampled over whole documents; 3: held-out rows first
 HELDOUT_ID_BASE = 1_000_000_000  # chunk_id of held-out chunk i is HELDOUT_ID_BASE + i
 SHARD_ROWS = 4096
 DEFAULT_CONFIG = ChunkConfig()
@@ -91,7 +93,8 @@ def _check(lengths: list[tuple[int, int]], config: ChunkConfig) -> None:
 def plan_spans(lengths: list[tuple[int, int]], config: ChunkConfig) -> list[dict]:
     """Rows of the ``chunks`` table without ``token_ids``, from (doc_id, tokens) pairs.
 
-    Train rows come first (chunk_id = index), then held-out rows. Raises
+    Held-out rows come first (chunk_id = HELDOUT_ID_BASE + index), then train rows (chunk_id =
+    index), so a plan is a prefix of every larger one with the same held-out count. Raises
     CorpusError when the corpus is empty or too short for a reserved tail.
     """
     lengths = [(int(d), int(n)) for d, n in lengths if n > 0]
@@ -104,7 +107,7 @@ def plan_spans(lengths: list[tuple[int, int]], config: ChunkConfig) -> list[dict
     else:
         train = _tiler(lengths, config)
         held = _sampler(lengths, config, "heldout", lambda d, n: (0, n))
-    return _rows("train", config.conversations, config, train) + _rows("heldout", config.heldout, config, held)
+    return _rows("heldout", config.heldout, config, held) + _rows("train", config.conversations, config, train)
 
 
 def _sampler(pool: list[tuple[int, int]], config: ChunkConfig, split: str,

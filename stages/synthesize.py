@@ -15,7 +15,8 @@ bot B answers behind the whole conversation; each turn is its own row.
 Conversations about one chunk (several seed types) share their prompt heads: each bot
 prefills the chunk once per group and continues every conversation behind those rows.
 Conversations are written in shards of `gen_batch`; a rerun after a crash keeps the
-finished shards and generates only the rest.
+finished shards and generates only the rest, and a run takes over the shards an earlier
+run in the store wrote for the same planned chunks (unless the stage is forced).
 """
 
 from __future__ import annotations
@@ -266,7 +267,7 @@ def _run(job: Job, config: SynthConfig, documents, chunks, bar: Bar) -> StageRes
         whole = document_contexts(docs, config, lm.context_length) if config.teacher_context == "document" else None
         plan = ctx.read(chunks).to_pylist()
         size = config.gen_batch
-        taken = take_earlier_shards(ctx, plan, size)
+        taken = 0 if job.forced(NAME) else take_earlier_shards(ctx, plan, size)
         done = ctx.done_shards()
         jobs = []
         report_resumed_shards(bar, plan, size, done)

@@ -126,7 +126,8 @@ class Store:
     def run(self, stage: str, code_version: int, config: dict,
             inputs: list[Artifact | StageResult], fn: Callable[[StageContext], Any],
             force: bool = False, run_id: str | None = None) -> StageResult:
-        """Produce the artifact for (stage, code, config, inputs), reusing a complete one."""
+        """Produce the artifact for (stage, code, config, inputs), reusing a complete one and resuming
+        a failed one's shards; `force` computes it afresh."""
         arts = [_artifact(a) for a in inputs]
         for a in arts:
             if a.status != "complete":
@@ -142,8 +143,9 @@ class Store:
                     return StageResult(existing, skipped=True)
                 print(f"warning: {problem}; running stage {stage} again", file=sys.stderr, flush=True)
             shutil.rmtree(directory, ignore_errors=True)
-        elif existing is not None and (existing.error or "").startswith(CORRUPT):
-            shutil.rmtree(self.dir(existing), ignore_errors=True)  # its shards cannot be trusted
+        elif existing is not None and (force or (existing.error or "").startswith(CORRUPT)):
+            # forced: computed afresh, not resumed; corrupt: its shards cannot be trusted
+            shutil.rmtree(self.dir(existing), ignore_errors=True)
         art = self.catalog.begin(stage, fp, [a.id for a in arts], config, run_id)
         directory = self.dir(art)
         directory.mkdir(parents=True, exist_ok=True)

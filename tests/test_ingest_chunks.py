@@ -187,6 +187,7 @@ def test_chunk_i_does_not_depend_on_the_number_of_chunks():
     assert train_small == train_large[:10]
     assert [r for r in small if r["split"] == "heldout"] == [
         r for r in large if r["split"] == "heldout"]
+    assert large[: len(small)] == small  # the whole smaller plan: a larger run takes over its shards
 
 
 def test_rows_are_well_formed():
@@ -325,10 +326,13 @@ def _plan_before_tiling(lengths: list[tuple[int, int]], config: ChunkConfig) -> 
 def test_tail_region_is_exactly_the_plan_before_tiling(per_chunk):
     lengths = [(0, 3000), (1, 1200), (2, 60), (3, 20)]
     cfg = TAIL.replace(conversations=90, heldout=10, per_chunk=per_chunk)
-    assert plan_spans(lengths, cfg) == _plan_before_tiling(lengths, cfg)
-    # Pinned: the first and last rows the planner gave before tiling was introduced.
+    before = _plan_before_tiling(lengths, cfg)  # train rows first then; held-out rows lead the plan now
+    assert plan_spans(lengths, cfg) == [r for r in before if r["split"] == "heldout"] + [
+        r for r in before if r["split"] == "train"]
+    # Pinned: the first training row and the last held-out row the planner gave before tiling.
     rows = plan_spans(lengths, TAIL)
-    assert [(r["doc_id"], r["start"], r["end"], r["seed_type"]) for r in (rows[0], rows[-1])] == [
+    first, last = [r for r in rows if r["split"] == "train"][0], [r for r in rows if r["split"] == "heldout"][-1]
+    assert [(r["doc_id"], r["start"], r["end"], r["seed_type"]) for r in (first, last)] == [
         (0, 573, 626, "use_case"), (1, 1130, 1194, "structuring")]
 
 

@@ -122,20 +122,23 @@ def test_crash_midway_through_synthesis_then_rerun_gives_exactly_the_plan(tmp_pa
 
 
 def test_more_conversations_synthesize_only_the_new_ones_and_equal_a_fresh_run(tmp_path, corpus, monkeypatch):
-    """Raising the conversations keeps the plan's earlier chunks, so the shards an earlier run of the
-    same config wrote are taken over (the training half and the held-out shard); the result equals a
-    synthesis from scratch. Another config takes nothing."""
+    """Raising the conversations keeps the plan's earlier chunks, so the full shards an earlier run of
+    the same config wrote are taken over (the held-out conversations start the plan); the result
+    equals a synthesis from scratch. Another config, or a forced stage, takes nothing."""
     lm, store = tiny_llama(), Store(tmp_path / "store")
-    run_pipeline(store, lm, [corpus], smoke())  # 8 + 2 held out, shards of 4
+    run_pipeline(store, lm, [corpus], smoke())  # 2 held out + 8, shards of 4
     more = preset("smoke", {"chunks": {"conversations": 16}, "synth": {"filter": False}})
     bars, updates = _record_bars(monkeypatch)
     run_pipeline(store, lm, [corpus], more)
-    # shards 0, 1 and the held-out one taken over, then 2 and 3
-    assert bars["self-study"].initial == 10 and updates["self-study"] == [4, 4]
+    # shards 0 and 1 taken over, then 2, 3 and 4 (the smaller run's last shard was short)
+    assert bars["self-study"].initial == 8 and updates["self-study"] == [4, 4, 2]
     fresh = Store(tmp_path / "fresh")
     run_pipeline(fresh, lm, [corpus], more)
     taken, made = (s.table(s.latest("synthesize")).sort_by("conv_id").to_pylist() for s in (store, fresh))
     assert len(taken) == 18 and taken == made
+    bars, updates = _record_bars(monkeypatch)
+    run_pipeline(store, lm, [corpus], smoke(), force=("synthesize",))
+    assert bars["self-study"].initial == 0 and updates["self-study"] == [4, 4, 2]
     hotter = preset("smoke", {"chunks": {"conversations": 16}, "synth": {"filter": False, "temperature_a": 0.9}})
     bars, updates = _record_bars(monkeypatch)
     run_pipeline(store, lm, [corpus], hotter)

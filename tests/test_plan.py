@@ -20,6 +20,7 @@ from jobs.plan import (
     plan_line,
     resolve,
     steps_of,
+    taken,
 )
 from schemas import PipelineConfig
 from schemas.configs import ConfigError
@@ -88,6 +89,12 @@ def test_a_time_budget_takes_the_most_conversations_that_fit():
         paying = fit_minutes(cfg, rates, spent=600.0)  # the pilot's ten minutes come off the budget
         more = paying.replace(chunks=paying.chunks.replace(conversations=paying.chunks.conversations + 1))
         assert 600 + rates.seconds(paying) <= 120 * 60 < 600 + rates.seconds(more), (turns, epochs)
+        pilot = 2 * cfg.synth.gen_batch  # two shards synthesized already: they buy more conversations
+        ahead = fit_minutes(cfg, rates, spent=600.0, pilot=pilot)
+        more = ahead.replace(chunks=ahead.chunks.replace(conversations=ahead.chunks.conversations + 1))
+        assert 600 + rates.seconds(ahead, pilot) <= 120 * 60 < 600 + rates.seconds(more, pilot), (turns, epochs)
+        assert ahead.chunks.conversations > paying.chunks.conversations
+        assert rates.seconds(ahead) - rates.seconds(ahead, pilot) == pytest.approx(pilot * turns * rates.per_row)
     assert abs(Rates(1.0, 1.0, 0.0, kept=0.5).steps(cfg) - steps_of(cfg) / 2) <= 1  # filtered rows take no steps
     with pytest.raises(CartridgeError, match=r"budget.minutes=1: too short .* takes about \d+ min"):
         fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 1}}), Rates(1.5, 2.3, 200.0))
@@ -118,8 +125,11 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     rates, source, pilot = pilot_rates(store, lm, [corpus], cfg, None)
     pilots = [r for r in store.catalog.runs() if r["flow"] == "pilot"]
     assert len(pilots) == 1 and pilots[0]["status"] == "complete" and "measured by pilot run" in source
-    assert pilot == {"run_id": pilots[0]["run_id"], "seconds": pilots[0]["summary"]["seconds"]}
-    assert not (store.root / "pilot").exists() or not any((store.root / "pilot").iterdir())  # scratch removed
+    assert pilot == {"run_id": pilots[0]["run_id"], "seconds": pilots[0]["summary"]["seconds"],
+                     "conversations": pilots[0]["summary"]["conversations"]}
+    # the pilot ran in this store, its stages recorded under its run: the run it sizes takes them over
+    (made,) = store.catalog.artifacts("synthesize")
+    assert made.run_id == pilot["run_id"] and pilot["conversations"] == pilots[0]["summary"]["conversations"]
     assert rates.per_row > 0 and rates.per_step > 0 and rates.fixed >= 0 and 0 < rates.kept <= 1
     assert pilots[0]["summary"]["conversations"] >= cfg.synth.gen_batch  # a shard, held-out ones included
     # the speeds, put back together, give the pilot's own duration
@@ -133,8 +143,15 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     capsys.readouterr()
     assert not pilot_paid(store, pilot["run_id"])
     summary = run_pipeline(store, lm, [corpus], cfg)
-    fitted = fit_minutes(cfg, slow, pilot["seconds"])  # the first run it sizes pays for the pilot
-    assert summary["budget"]["minutes"] == 0.5 and summary["budget"]["estimate_seconds"] == slow.seconds(fitted)
+    # the first run it sizes pays for the pilot, and the pilot's synthesis costs it nothing
+    fitted = fit_minutes(cfg, slow, pilot["seconds"], pilot["conversations"])
+    estimate = slow.seconds(fitted, pilot["conversations"])
+    assert summary["budget"]["minutes"] == 0.5 and summary["budget"]["estimate_seconds"] == estimate
+    share = taken(fitted, pilot["conversations"])
+    full = pilot["conversations"] // cfg.synth.gen_batch * cfg.synth.gen_batch  # the pilot's full shards
+    assert summary["budget"]["taken"] == share == full > 0 and estimate < slow.seconds(fitted)
+    synthesized, by_pilot = (store.table(a).to_pylist() for a in (store.latest("synthesize"), made))
+    assert synthesized[:full] == by_pilot[:full] and len(synthesized) > full  # in shard order
     assert summary["budget"]["pilot"] == pilot["run_id"] and summary["budget"]["pilot_seconds"] == pilot["seconds"]
     assert summary["budget"]["conversations"] == fitted.chunks.conversations
     assert pilot_paid(store, pilot["run_id"])  # later runs it sizes get their whole minutes
@@ -142,13 +159,19 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     printed = capsys.readouterr().out
     paid = f"budget: 0.5 min, after the pilot's {pilot['seconds'] / 60:.1f} min -> {fitted.chunks.conversations:,} conv"
     assert paid in printed and "from pilot run" in printed
+    assert f"synthesize: {share} of {summary['planned_conversations']} conversations taken" in printed
     steps = slow.steps(fitted)  # the plan counts only the conversations the filter keeps
     assert f" {steps:,} training steps" in printed and steps < steps_of(fitted)
     assert len([r for r in store.catalog.runs() if r["flow"] == "pilot"]) == 1  # no second pilot
     longer = cfg.replace(budget=cfg.budget.replace(minutes=0.6))  # a later run at other minutes: all of them
     again = run_pipeline(store, lm, [corpus], longer)
     assert again["budget"]["pilot_seconds"] == 0.0
-    assert again["budget"]["estimate_seconds"] == slow.seconds(fit_minutes(longer, slow))
+    longer_fit = fit_minutes(longer, slow, 0.0, pilot["conversations"])
+    assert again["budget"]["estimate_seconds"] == slow.seconds(longer_fit, pilot["conversations"])
+    reseeded = cfg.replace(chunks=cfg.chunks.replace(seed=8))  # the same speeds, none of the pilot's shards
+    assert pilot_rates(store, lm, [corpus], reseeded, None)[2]["conversations"] == 0
+    # the pilot's rates are this store's earlier rates too (the runs that took its shards time short)
+    assert earlier_rates(store, lm.compute_id) == (slow, 1)
 
 
 def test_a_pilot_is_found_again_by_what_the_stages_fingerprint(tmp_path, monkeypatch):

@@ -179,6 +179,12 @@ def test_failed_run_keeps_done_shards_and_resumes(tmp_path: Path) -> None:
     assert sorted(int(x) for x in table.column("run_id").to_pylist()) == list(range(40))
     assert (result.finished_at - result.started_at).total_seconds() >= 0
 
+    with pytest.raises(RuntimeError, match="worker died"):  # crashes again, at shard 1 this time
+        store.run("eval", 1, {"shards": 4}, [], make(crash_after=1), force=True)
+    assert sorted(done_shards(store.dir(failed))) == [0]
+    store.run("eval", 1, {"shards": 4}, [], make(crash_after=None), force=True)  # forced: afresh, not resumed
+    assert seen[2:] == [[], []]
+
 
 def test_siblings_are_the_same_stage_code_and_config_over_other_inputs(tmp_path: Path) -> None:
     """A stage may take over parts of another run's output only when that run's fingerprint,
