@@ -86,7 +86,7 @@ def cartridge_run(
                   "pilot": pilot["run_id"], "pilot_seconds": spent,
                   "taken": taken(config, pilot["conversations"])}
         print(rates_line(config, rates, source, spent, pilot["conversations"]), flush=True)
-        print(plan_line(config, tokens, rates, "at the pilot's speeds"), flush=True)
+        print(plan_line(config, tokens, rates, "at the pilot's speeds", pilot["conversations"]), flush=True)
     held = run_id is not None
     run_id = run_id or store.catalog.start_run(NAME)
     started = time.perf_counter()

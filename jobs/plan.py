@@ -51,12 +51,13 @@ def steps_of(config: PipelineConfig, kept: float = 1.0) -> int:
     return math.ceil(rows_of(config) * kept * config.train.epochs / config.train.accum)
 
 
-def plan_line(config: PipelineConfig, tokens: int, rates: Rates | None, basis: str = "") -> str:
-    """The plan, its steps and minutes at `rates` (`basis` says where they come from)."""
+def plan_line(config: PipelineConfig, tokens: int, rates: Rates | None, basis: str = "", pilot: int = 0) -> str:
+    """The plan, its steps and minutes at `rates` (`basis` says where they come from), less the
+    conversations taken over from a pilot whose plan held `pilot`."""
     rows, convs = config.train.p, config.chunks.conversations
     turns = f" of {config.synth.turns} turns" if config.synth.turns > 1 else ""
     steps = rates.steps(config) if rates else steps_of(config)
-    minutes = (f"about {rates.seconds(config) / 60:.0f} min on this machine ({basis})"
+    minutes = (f"about {rates.seconds(config, pilot) / 60:.0f} min on this machine ({basis})"
                if rates else "no estimate yet (no earlier run of this model in this store)")
     return (f"plan: {tokens:,} corpus tokens -> {rows:,} rows ({tokens / rows:.1f}x fewer), "
             f"{convs:,} conversations{turns}, {steps:,} training steps; {minutes}")

@@ -102,6 +102,9 @@ def test_a_time_budget_takes_the_most_conversations_that_fit():
         fit_minutes(PipelineConfig.from_dict({"budget": {"minutes": 4.5}}), Rates(1.5, 2.3, 10.0), spent=240.0)
     with pytest.raises(ConfigError, match="minutes"):
         PipelineConfig.from_dict({"budget": {"minutes": 30, "coverage": 2}})
+    sized = PipelineConfig.from_dict({"chunks": {"conversations": 1000, "heldout": 16}, "synth": {"gen_batch": 64}})
+    assert "about 102 min on this machine" in plan_line(sized, 3000, Rates(6.0, 0.0, 0.0), "b")  # 1,016 x 6 s
+    assert "about 89 min" in plan_line(sized, 3000, Rates(6.0, 0.0, 0.0), "b", pilot=128)  # the pilot's 128 made
     nothing_kept = {"steps": 0, "conversation_rows": 64, "stages": [], "seconds": 9.0, "train_seconds": 0.0,
                     "train_conversations": 0, "train_rows": 56}
     with pytest.raises(CartridgeError, match="pilot run trained no step .* kept none of its 64"):
