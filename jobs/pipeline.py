@@ -119,7 +119,7 @@ def pilot_rates(
 ) -> tuple[Rates, str, dict]:
     """This machine's `Rates` for `config`, where they come from, and the pilot run (its id, its
     seconds, and the planned conversations the run may take over from it: none where the seeds
-    differ): this store's pilot run for the same config, model, machine and corpus, or a new one.
+    differ or its synthesis is gone): this store's pilot run for the same config, model, machine and corpus, or a new one.
     The pilot runs in this store with the stages it times computed afresh (so reused work never
     shortens them), and the run it sizes takes over its synthesis shards; the catalog keeps its
     rates, so a rerun (after a crash, say) sizes the run alike and resumes it. Speeds are per
@@ -130,8 +130,8 @@ def pilot_rates(
     for run in reversed(store.catalog.runs()):
         s = run["summary"] or {}
         if run["flow"] == PILOT and run["status"] == "complete" and s.get("key") == key:
-            found = {"run_id": run["run_id"], "seconds": s["seconds"],
-                     "conversations": s["conversations"] if s.get("seeds") == _seeds(config) else 0}
+            shared = s.get("seeds") == _seeds(config) and _synthesis_kept(store, run["run_id"])
+            found = {"run_id": run["run_id"], "seconds": s["seconds"], "conversations": s["conversations"] if shared else 0}
             return Rates(**s["rates"]), f"speeds from pilot run {run['run_id']}", found
     print(f"budget: a pilot run of {pilot.chunks.conversations} conversations measures this machine's speeds",
           flush=True)
@@ -145,6 +145,12 @@ def pilot_rates(
             "model_id": lm.compute_id, "machine": machine_id()})
     found = {"run_id": run_id, "seconds": summary["seconds"], "conversations": summary["planned_conversations"]}
     return rates, f"speeds measured by pilot run {run_id}", found
+
+
+def _synthesis_kept(store: Store, pilot_id: str) -> bool:
+    """Whether the pilot's conversations are still in the store (`cartridges store prune` may remove them)."""
+    return any(a.run_id == pilot_id and a.status == "complete" and store.dir(a).is_dir()
+               for a in store.catalog.artifacts("synthesize"))
 
 
 def _seeds(config: PipelineConfig) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 
@@ -173,6 +174,8 @@ def test_a_pilot_measures_the_machine_once_and_the_run_fits_its_minutes(tmp_path
     assert again["budget"]["estimate_seconds"] == slow.seconds(longer_fit, pilot["conversations"])
     reseeded = cfg.replace(chunks=cfg.chunks.replace(seed=8))  # the same speeds, none of the pilot's shards
     assert pilot_rates(store, lm, [corpus], reseeded, None)[2]["conversations"] == 0
+    shutil.rmtree(store.dir(made))  # collected: the next run synthesizes them again, and is sized so
+    assert pilot_rates(store, lm, [corpus], cfg, None)[2] == {**pilot, "conversations": 0}
     # the pilot's rates are this store's earlier rates too (the runs that took its shards time short)
     assert earlier_rates(store, lm.compute_id) == (slow, 1)
 
