@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cartridges.core.batch import Batch, Stream
+from cartridges.core.batch import Batch, BatchCache, Stream
 from cartridges.core.generate import generate
 from cartridges.core.prefix import capture_rows
 from tests.tiny import TINY, tiny_llama
@@ -15,8 +15,9 @@ def ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["join", "join_groups"])
 @pytest.mark.parametrize("family", sorted(TINY))
-def test_streams_joining_mid_run_behind_different_prefixes_equal_each_alone(family):
+def test_streams_joining_mid_run_behind_different_prefixes_equal_each_alone(family, grouped):
     lm = TINY[family](torch.float64)
     prefixes = [None, capture_rows(lm.model, torch.tensor(ids(8, 90))), capture_rows(lm.model, torch.tensor(ids(3, 91)))]
     # (prefix, prompt length, budget, step at which it joins)
@@ -31,7 +32,10 @@ def test_streams_joining_mid_run_behind_different_prefixes_equal_each_alone(fami
         for i, (pref, _, _, at) in enumerate(plan):
             if at == step:
                 by_prefix.setdefault(pref, []).append(i)
-        for pref, members in by_prefix.items():
+        if grouped:  # every prefix's streams of this step in one call, the cache rebuilt once
+            batch.join_groups([([streams[i] for i in members], prefixes[pref]) for pref, members in by_prefix.items()],
+                              tags=[i for members in by_prefix.values() for i in members])
+        for pref, members in ([] if grouped else by_prefix.items()):
             batch.join([streams[i] for i in members], prefixes[pref], tags=members)
         widths.append(len(batch))
         for st in batch.choose():
@@ -44,6 +48,27 @@ def test_streams_joining_mid_run_behind_different_prefixes_equal_each_alone(fami
     for i, (pref, _, _, _) in enumerate(plan):
         alone = generate(lm.model, [streams[i]], batch_size=1, prefix_rows=prefixes[pref])[0]
         assert done[i] == alone.tokens, f"stream {i}"
+
+
+def test_compacting_moves_the_last_kept_rows_into_the_gaps():
+    layers = [(torch.randn(5, 2, 3, 4), torch.randn(5, 2, 3, 4)) for _ in range(2)]
+    before = [(k.clone(), v.clone()) for k, v in layers]
+    cache = BatchCache([layers], room=2)
+    order = cache.compact([0, 2, 4])
+    assert order == [0, 4, 2]  # row 4 fills the gap at 1; rows 0 and 2 stay where they are
+    index = torch.tensor(order)
+    for (k, v), (k0, v0) in zip(cache.views(), before, strict=True):
+        assert torch.equal(k, k0.index_select(0, index)) and torch.equal(v, v0.index_select(0, index))
+
+
+def test_groups_of_different_lengths_are_right_aligned_behind_zeros():
+    short = [(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))]
+    long = [(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4))]
+    cache = BatchCache([short, long], room=4)
+    (k, v), = cache.views()
+    assert cache.length == 5 and k.shape == (3, 1, 5, 4)
+    assert torch.equal(k[:2, :, 2:], short[0][0]) and torch.equal(v[2:], long[0][1])
+    assert not k[:2, :, :2].any() and not v[:2, :, :2].any()
 
 
 def test_dropped_streams_leave_and_the_rest_continue_unchanged():

@@ -64,6 +64,17 @@ class Running:
     accepted: int = 0  # of which greedy decoding chose
 
 
+@dataclass
+class _Prefilled:
+    """One group's prefill: its prefix length, cache rows, first logits, readable columns, next positions."""
+
+    p: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+    allowed: torch.Tensor
+    positions: torch.Tensor
+
+
 class Batch:
     """Streams decoding in lockstep: one forward per step for all of them.
 
@@ -96,8 +107,54 @@ class Batch:
         keep_kv: bool = False,
     ) -> list[Running]:
         """Prefill `streams` behind one shared prefix in one left-padded forward and add them."""
-        if not streams:
+        return self.join_groups([(streams, prefix_rows)], tags, keep_kv)
+
+    def join_groups(
+        self, groups: Sequence[tuple[Sequence[Stream], Rows | None]], tags: Sequence[Any] | None = None,
+        keep_kv: bool = False,
+    ) -> list[Running]:
+        """Prefill each group of streams behind its own prefix (one forward per group) and add them
+        all, in order. The batch's cache is rebuilt once for every group, not once per group."""
+        groups = [(list(streams), rows) for streams, rows in groups if streams]
+        if not groups:
             return []
+        streams = [s for members, _ in groups for s in members]
+        tags = list(tags) if tags is not None else [None] * len(streams)
+        parts = [self._prefill(members, rows) for members, rows in groups]
+        prefixes = [part.p for part, (members, _) in zip(parts, groups, strict=True) for _ in members]
+        new = [
+            Running(stream=s, tag=t, prefix_rows=p, keep_kv=keep_kv, generator=_generator(s, self.device),
+                    drafter=_drafter(s))
+            for s, t, p in zip(streams, tags, prefixes, strict=True)
+        ]
+        # Room for every token any stream may still write, so steps never regrow the cache.
+        room = max(s.max_new for s in streams) - 1
+        room = max([room] + [st.stream.max_new - len(st.tokens) for st in self.states])
+        running = self.cache is not None and bool(self.states)
+        layers = [part.layers for part in parts]
+        if running:
+            assert self.cache is not None and self.logits is not None, "join between choose and advance"
+            self.cache.extend(layers, room)
+        else:
+            self.cache = BatchCache(layers, room)
+        total = self.cache.length
+        allowed = torch.cat([_pad_left(part.allowed, total) for part in parts])
+        positions = torch.cat([part.positions for part in parts])
+        logits = torch.cat([part.logits for part in parts])
+        if not running:
+            self.allowed, self.positions, self.logits, self.fed = allowed, positions, logits, []
+        else:
+            self.allowed = torch.cat([_pad_left(self.allowed, total), allowed])
+            self.positions = torch.cat([self.positions, positions])
+            if self.logits.dim() == 3:  # the running streams verify drafts; the new ones have one row
+                logits = torch.cat([logits[:, None], logits.new_zeros(len(streams), self.logits.shape[1] - 1,
+                                                                      logits.shape[-1])], dim=1)
+            self.logits = torch.cat([self.logits, logits])
+        self.fed += [[] for _ in streams]
+        self.states += new
+        return new
+
+    def _prefill(self, streams: list[Stream], prefix_rows: Rows | None) -> _Prefilled:
         rows = list(prefix_rows) if prefix_rows is not None else []
         p = prefix_length(rows)
         lengths = [len(s.prompt) for s in streams]
@@ -115,34 +172,7 @@ class Batch:
         del hidden
         allowed = torch.cat([torch.ones(len(streams), p, dtype=torch.bool, device=self.device), real], dim=1)
         positions = torch.tensor([p + n for n in lengths], dtype=torch.long, device=self.device)
-        tags = list(tags) if tags is not None else [None] * len(streams)
-        new = [
-            Running(stream=s, tag=t, prefix_rows=p, keep_kv=keep_kv, generator=_generator(s, self.device),
-                    drafter=_drafter(s))
-            for s, t in zip(streams, tags, strict=True)
-        ]
-        # Room for every token any stream may still write, so steps never regrow the cache.
-        room = max(s.max_new for s in streams) - 1
-        room = max([room] + [st.stream.max_new - len(st.tokens) for st in self.states])
-        layers = read_cache(filled)
-        del filled
-        if self.cache is None or not self.states:
-            self.cache = BatchCache(layers, room)
-            self.allowed, self.positions, self.logits = allowed, positions, logits
-            self.fed = [[] for _ in streams]
-        else:
-            self.cache.extend(layers, room)
-            total = self.cache.length
-            self.allowed = torch.cat([_pad_left(self.allowed, total), _pad_left(allowed, total)])
-            self.positions = torch.cat([self.positions, positions])
-            assert self.logits is not None, "join between choose and advance"
-            if self.logits.dim() == 3:  # the running streams verify drafts; the new ones have one row
-                logits = torch.cat([logits[:, None], logits.new_zeros(len(streams), self.logits.shape[1] - 1,
-                                                                      logits.shape[-1])], dim=1)
-            self.logits = torch.cat([self.logits, logits])
-            self.fed += [[] for _ in streams]
-        self.states += new
-        return new
+        return _Prefilled(p, read_cache(filled), logits, allowed, positions)
 
     def choose(self, progress: Callable[[int], None] | None = None) -> list[Running]:
         """Pick the next token of every stream, and every accepted draft token after it; finished
@@ -227,9 +257,7 @@ class Batch:
         gone = {id(t) for t in tags}
         removed = [st for st in self.states if id(st.tag) in gone]
         if removed:
-            rows = [r for r, st in enumerate(self.states) if id(st.tag) not in gone]
-            self.fed = [self.fed[r] for r in rows]
-            self._keep(rows)
+            self._keep([r for r, st in enumerate(self.states) if id(st.tag) not in gone])
         return removed
 
     def advance(self) -> None:
@@ -281,16 +309,18 @@ class Batch:
         for r, st in enumerate(self.states):
             if st.keep_kv and r not in keep:
                 st.kv = self._row_kv(r)
-        self.states = [self.states[r] for r in keep]
         if not keep:
+            self.states, self.fed = [], []
             self.cache = None
             self.allowed = self.allowed[:0, :0]
             self.positions = self.positions[:0]
             self.logits = None
             return
-        index = torch.tensor(keep, dtype=torch.long, device=self.device)
         assert self.cache is not None
-        self.cache.select_rows(index)
+        order = self.cache.compact(keep)
+        self.states = [self.states[r] for r in order]
+        self.fed = [self.fed[r] for r in order]
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
         self.allowed = self.allowed.index_select(0, index)
         self.positions = self.positions.index_select(0, index)
         if self.logits is not None:
@@ -324,9 +354,8 @@ class BatchCache(DynamicCache):
     any more are trimmed from the left.
     """
 
-    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
-        self._full = [(_with_room(k, room), _with_room(v, room)) for k, v in layers]
-        n = layers[0][0].shape[-2]
+    def __init__(self, groups: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], room: int) -> None:
+        self._full, n = _right_aligned(groups, room)
         super().__init__(ddp_cache_data=[(k[..., :n, :], v[..., :n, :]) for k, v in self._full])
         self._set(n)
 
@@ -356,28 +385,24 @@ class BatchCache(DynamicCache):
         layer.keys, layer.values = k[..., : n + q, :], v[..., : n + q, :]
         return layer.keys, layer.values
 
-    def extend(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int) -> None:
-        """Append streams (rows of another cache), right-aligned with the running ones."""
-        n_old, n_new = self.length, layers[0][0].shape[-2]
-        n = max(n_old, n_new)
-        full = []
-        for (old_k, old_v), (new_k, new_v) in zip(self.views(), layers, strict=True):
-            pair = []
-            for old, new in ((old_k, new_k), (old_v, new_v)):
-                b_old = old.shape[0]
-                t = old.new_zeros(b_old + new.shape[0], old.shape[1], n + room, old.shape[3])
-                t[:b_old, :, n - n_old : n] = old
-                t[b_old:, :, n - n_new : n] = new
-                pair.append(t)
-            full.append((pair[0], pair[1]))
-        self._full = full
+    def extend(self, groups: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], room: int) -> None:
+        """Append streams (rows of other caches, group by group), right-aligned with the running ones."""
+        self._full, n = _right_aligned([self.views(), *groups], room)
         self._set(n)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Physically drop retired streams so later steps skip their rows."""
-        n = self.length
-        self._full = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self._full]
+    def compact(self, keep: list[int]) -> list[int]:
+        """Physically drop the rows not in `keep` (ascending) so later steps skip them; returns
+        the old row index of each row now, in order. The last kept rows move into the gaps, so
+        a stream's retirement copies one row of the cache, not every running stream's rows."""
+        m, kept, n = len(keep), set(keep), self.length
+        order = list(range(m))
+        for hole, row in zip((r for r in range(m) if r not in kept), (r for r in keep if r >= m), strict=False):
+            order[hole] = row
+            for k, v in self._full:
+                k[hole], v[hole] = k[row], v[row]
+        self._full = [(k[:m], v[:m]) for k, v in self._full]
         self._set(n)
+        return order
 
     def trim_tail(self, columns: int) -> None:
         """Forget the last `columns` columns; later steps write over them."""
@@ -388,6 +413,32 @@ class BatchCache(DynamicCache):
         n = self.length
         self._full = [(k[..., columns:, :], v[..., columns:, :]) for k, v in self._full]
         self._set(n - columns)
+
+
+def _right_aligned(
+    groups: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], room: int,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Every group's rows (per layer `[B, H, T, d]`) in one buffer per layer, right-aligned at the
+    longest group's length `n` with `room` free columns after it; returns the buffers and `n`. The
+    columns left of a shorter group's rows are zero: never read, but kept finite."""
+    n = max(group[0][0].shape[-2] for group in groups)
+    batch = sum(group[0][0].shape[0] for group in groups)
+    full = []
+    for layer in range(len(groups[0])):
+        pair = []
+        for side in range(2):
+            first = groups[0][layer][side]
+            t = first.new_empty(batch, first.shape[1], n + max(room, 0), first.shape[3])
+            row = 0
+            for group in groups:
+                part = group[layer][side]
+                b, m = part.shape[0], part.shape[-2]
+                t[row : row + b, :, : n - m].zero_()
+                t[row : row + b, :, n - m : n] = part
+                row += b
+            pair.append(t)
+        full.append((pair[0], pair[1]))
+    return full, n
 
 
 def _with_room(t: torch.Tensor, room: int) -> torch.Tensor:

@@ -110,7 +110,8 @@ def _run_group(
 
 def _join_shared(model: torch.nn.Module, batch: Batch, group: Sequence[Stream], share_min: int) -> list[Running]:
     """Join each set of streams with a common prompt head behind that head's rows, prefilled once."""
-    states: list[Running | None] = [None] * len(group)
+    order: list[int] = []
+    joins: list[tuple[list[Stream], Rows | None]] = []
     alone: list[int] = []
     device = next(model.parameters()).device
     # Every stream keeps at least one prompt token of its own: its first choice reads that row.
@@ -119,10 +120,11 @@ def _join_shared(model: torch.nn.Module, batch: Batch, group: Sequence[Stream], 
             alone += members
             continue
         head = capture_rows(model, torch.tensor(group[members[0]].prompt[:length], device=device))
-        tails = [replace(group[i], prompt=group[i].prompt[length:]) for i in members]
-        for i, st in zip(members, batch.join(tails, head), strict=True):
-            states[i] = st
-    for i, st in zip(alone, batch.join([group[i] for i in alone]), strict=True):
+        joins.append(([replace(group[i], prompt=group[i].prompt[length:]) for i in members], head))
+        order += members
+    joins.append(([group[i] for i in alone], None))
+    states: list[Running | None] = [None] * len(group)
+    for i, st in zip(order + alone, batch.join_groups(joins), strict=True):
         states[i] = st
     return states  # type: ignore[return-value]
 
