@@ -396,7 +396,7 @@ class BatchCache(DynamicCache):
         a stream's retirement copies one row of the cache, not every running stream's rows."""
         m, kept, n = len(keep), set(keep), self.length
         order = list(range(m))
-        for hole, row in zip((r for r in range(m) if r not in kept), (r for r in keep if r >= m), strict=False):
+        for hole, row in zip((r for r in range(m) if r not in kept), (r for r in keep if r >= m), strict=True):
             order[hole] = row
             for k, v in self._full:
                 k[hole], v[hole] = k[row], v[row]
