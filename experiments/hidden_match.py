@@ -36,7 +36,7 @@ from stages.train import load_examples
 
 def largest(store: Path, stage: str) -> Path:
     """The stage's artifact with the most rows (the run's, not its pilot's)."""
-    return max(store.glob(f"{stage}/*/"), key=lambda a: pq.read_metadata(next(a.glob("*.parquet"))).num_rows)
+    return max(store.glob(f"{stage}/*/"), key=lambda a: sum(pq.read_metadata(f).num_rows for f in a.glob("*.parquet")))
 
 
 def hidden_states(lm: LoadedModel, ids: list[int], rows=None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
