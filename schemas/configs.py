@@ -311,6 +311,8 @@ class TrainConfig(_Config):
     schedule: str = added("constant", choices=LR_SCHEDULES, ablation=True,
                           help="learning rate: constant, or cosine decay to 0 at the last step")
     warmup: float = added(0.0, ablation=True, help="share of all steps spent ramping the learning rate up from 0")
+    average: float = added(0.0, ablation=True, help="share of the last steps whose rows are averaged into "
+                           "the saved cartridge (0: the rows after the last step)")
     # cartridges.core.cartridge.resolve_init
     init: str = option("auto", "the rows' start: snapkv where the model allows it, else corpus (auto); the "
                        "corpus's first p tokens (corpus); rows SnapKV picks over the corpus, observed from its "
@@ -333,6 +335,8 @@ class TrainConfig(_Config):
             raise _bad(self, "accum", "must be >= 1")
         if self.epochs < 1:
             raise _bad(self, "epochs", "must be >= 1")
+        if not 0 <= self.average <= 1:
+            raise _bad(self, "average", "must be in [0, 1] (a share of all steps)")
         if self.init not in INITS:
             raise _bad(self, "init", f"must be one of {list(INITS)}")
         if self.schedule not in LR_SCHEDULES:

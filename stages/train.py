@@ -22,7 +22,14 @@ from cartridges.core.corpus import document_text
 from cartridges.core.errors import CartridgeError
 from cartridges.core.files import load_cartridge, load_optimizer, save_cartridge, save_optimizer
 from cartridges.core.models import LoadedModel
-from cartridges.core.train import Example, group_backward, lr_at, make_optimizer, mean_loss
+from cartridges.core.train import (
+    Example,
+    TailAverage,
+    group_backward,
+    lr_at,
+    make_optimizer,
+    mean_loss,
+)
 from schemas import TABLES, TrainConfig, validate_table
 from stages.job import Job
 from stages.progress import progress as progress_bar
@@ -88,12 +95,15 @@ def train_cartridge(
     names = [d["name"] for d in docs]
     groups = schedule(train, config)
     state_path = ctx_dir / "progress.json"
+    average = TailAverage(config.average, len(groups))
     if state_path.is_file():  # resume from the last consistent checkpoint
         state = json.loads(state_path.read_text())
         cart = load_cartridge(ctx_dir / state["cartridge"], device=lm.device)
         opt = make_optimizer(cart, config.lr)
         load_optimizer(ctx_dir / state["optimizer"], opt)
         log, start, before = state["log"], state["step"], state["heldout_before"]
+        if state.get("average"):
+            average.mean = [p.detach() for p in load_cartridge(ctx_dir / state["average"], device=lm.device).parameters()]
     else:
         questions = window_questions(train) if config.init == "snapkv_questions" else ()
         cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, questions)
@@ -107,6 +117,7 @@ def train_cartridge(
         opt.zero_grad(set_to_none=True)
         loss = group_backward(lm.model, [cart], groups[step], packed=config.pack, checkpoint=config.checkpoint)
         opt.step()
+        average.update(step, cart)
         row = {"run_id": run_id, "step": step, "docs": names, "visibility": "isolated", "loss": loss,
                "lr": lr, "tokens": sum(ex.n for ex in groups[step]),
                "seconds": time.perf_counter() - t0, "heldout_loss": None}
@@ -114,8 +125,9 @@ def train_cartridge(
         if progress:
             progress({**row, "of": len(groups)})  # the bar's total
         if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < len(groups):
-            _checkpoint(ctx_dir, lm, cart, opt, step + 1, log, before, corpus_sha)
+            _checkpoint(ctx_dir, lm, cart, opt, step + 1, log, before, corpus_sha, average)
         fault_point(f"train.step.{step}")
+    cart = average.result(cart)
     after = mean_loss(lm.model, [cart], heldout)
     init = cart.meta.get("init", config.init)  # what "auto" resolved to (a checkpoint's meta keeps it)
     if log:
@@ -136,12 +148,17 @@ def train_cartridge(
     return {"summary": summary, "log": log}
 
 
-def _checkpoint(ctx_dir: Path, lm, cart, opt, step: int, log: list, before, corpus_sha: str) -> None:
+def _checkpoint(ctx_dir: Path, lm, cart, opt, step: int, log: list, before, corpus_sha: str,
+                average: TailAverage) -> None:
     cart_name, opt_name = f"ckpt-{step:06d}.cartridge.safetensors", f"ckpt-{step:06d}.optimizer.safetensors"
     save_cartridge(ctx_dir / cart_name, cart, lm.fingerprint, steps=step, corpus_sha256=corpus_sha)
     save_optimizer(ctx_dir / opt_name, opt, step)
+    mean_name = None
+    if average.mean is not None:  # the tail's running mean so far
+        mean_name = f"ckpt-{step:06d}.average.safetensors"
+        save_cartridge(ctx_dir / mean_name, average.result(cart), lm.fingerprint, steps=step, corpus_sha256=corpus_sha)
     write_json_atomic(ctx_dir / "progress.json", {"step": step, "cartridge": cart_name, "optimizer": opt_name,
-                                                  "log": log, "heldout_before": before})
+                                                  "average": mean_name, "log": log, "heldout_before": before})
     for old in ctx_dir.glob("ckpt-*.safetensors"):
         if not old.name.startswith(f"ckpt-{step:06d}."):
             old.unlink()

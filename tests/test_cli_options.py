@@ -41,6 +41,7 @@ PIPELINE_FLAGS: list[tuple[list[str], dict]] = [
     (["--epochs", "3"], {"train": {"epochs": 3}}),
     (["--schedule", "cosine"], {"train": {"schedule": "cosine"}}),
     (["--warmup", "0.1"], {"train": {"warmup": 0.1}}),
+    (["--average", "0.5"], {"train": {"average": 0.5}}),
     (["--init", "random"], {"train": {"init": "random"}}),
     (["--save-every", "5"], {"train": {"save_every": 5}}),
     (["--min-heldout-drop", "0.02"], {"health": {"min_heldout_drop": 0.02}}),
@@ -71,7 +72,7 @@ FLEET_FLAGS: list[tuple[list[str], dict]] = [
 # Switches only the quality studies turn (experiments/LAB.md, experiments/fleet_quality.py):
 # they parse, and stay out of --help.
 HIDDEN = {"train": {"--heldout-region", "--stop-at-question", "--no-stop-at-question", "--focus", "--no-focus",
-                    "--teacher-context", "--schedule", "--warmup", "--turns"},
+                    "--teacher-context", "--schedule", "--warmup", "--turns", "--average"},
           "fleet": {"--distractors"}}
 
 PARSER = build_parser()
@@ -206,6 +207,7 @@ def test_ablation_switches_parse_but_stay_out_of_help(command):
 def test_ablation_switches_stay_settable_by_flag_and_by_config():
     assert pipeline_config(train("--no-focus")).synth.focus is False
     assert pipeline_config(train("--schedule", "cosine", "--warmup", "0.05")).train.schedule == "cosine"
+    assert pipeline_config(train("--average", "0.5")).train.average == 0.5
     assert preset("default", {"synth": {"focus": False, "teacher_context": "document"}}).synth.teacher_context == "document"
     assert PipelineConfig.from_dict({"chunks": {"heldout_region": "tail"}}).chunks.heldout_region == "tail"
     assert fleet_preset("default", {"distractors": "frozen"}).distractors == "frozen"

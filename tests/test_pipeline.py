@@ -185,7 +185,7 @@ def test_resumed_teacher_counts_its_finished_shards_as_resumed(tmp_path, corpus,
     assert bars["teacher"].initial == 4 and updates["teacher"] == [2, 2, 2]  # shards 0, 1 done; then 2, 3, 4
 
 
-@pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}])
+@pytest.mark.parametrize("schedule", [{}, {"schedule": "cosine", "warmup": 0.25}, {"average": 0.5}])
 def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, corpus, monkeypatch, schedule):
     import torch
 
@@ -211,6 +211,39 @@ def test_training_resumes_from_its_checkpoint_to_the_same_cartridge(tmp_path, co
     for x, y in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(x, y)
     assert resumed["losses"] == ref["losses"]
+
+
+def test_averaged_cartridge_is_the_mean_of_the_rows_after_each_tail_step(tmp_path, corpus, monkeypatch):
+    """Reference: the rows after every optimizer step of the same run without averaging, caught
+    by a hook on the optimizer, then averaged by hand over the last half of the steps."""
+    from cartridges.core.files import load_cartridge
+    from stages import train as train_stage
+
+    lm = tiny_llama()
+    after_step: list[list[torch.Tensor]] = []
+    make = train_stage.make_optimizer
+
+    def recording(cart, lr):
+        opt = make(cart, lr)
+        opt.register_step_post_hook(lambda *_: after_step.append([p.detach().clone() for p in cart.parameters()]))
+        return opt
+
+    monkeypatch.setattr(train_stage, "make_optimizer", recording)
+    run_pipeline(Store(tmp_path / "plain"), lm, [corpus], smoke(), save=tmp_path / "plain.safetensors")
+    monkeypatch.setattr(train_stage, "make_optimizer", make)
+    run = run_pipeline(Store(tmp_path / "avg"), lm, [corpus], smoke(average=0.5), save=tmp_path / "avg.safetensors")
+    steps = len(after_step)
+    assert steps >= 4 and run["steps"] == steps
+    tail = after_step[steps - steps // 2:]
+    want = [torch.stack(leaves).mean(0) for leaves in zip(*tail, strict=True)]
+    plain, avg = load_cartridge(tmp_path / "plain.safetensors"), load_cartridge(tmp_path / "avg.safetensors")
+    for p, last in zip(plain.parameters(), after_step[-1], strict=True):
+        assert torch.equal(p, last)  # the hook saw what the run saved
+    for p, w, last in zip(avg.parameters(), want, after_step[-1], strict=True):
+        torch.testing.assert_close(p, w)
+        assert not torch.allclose(p, last)
+    for a, b in zip(avg.rows(), plain.rows(), strict=True):  # the frozen rows are not averaged
+        assert torch.equal(a[0][:, : avg.frozen], b[0][:, : plain.frozen])
 
 
 def test_a_rerun_that_only_changes_save_every_resumes_the_same_training(tmp_path, corpus, monkeypatch):

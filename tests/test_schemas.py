@@ -99,6 +99,8 @@ def test_replace_validates_and_keeps_original() -> None:
         base.replace(p=4, frozen=4)
     with pytest.raises(ConfigError, match="nope"):
         base.replace(nope=1)
+    with pytest.raises(ConfigError, match=r"average.*\[0, 1\]"):
+        base.replace(average=1.5)
 
 
 def test_pipeline_round_trip_is_json_safe_and_sorted() -> None:
@@ -197,12 +199,12 @@ def test_nullable_column_accepts_nulls() -> None:
 
 
 def test_added_fields_stay_out_of_the_fingerprint_at_their_defaults() -> None:
-    """Fields added after artifacts existed (spec_b, schedule, warmup, draft_ref): at their
+    """Fields added after artifacts existed (spec_b, schedule, warmup, average, draft_ref): at their
     defaults the dict, and so every stage fingerprint, is what it was before they existed."""
     from storage.fingerprint import fingerprint
 
     train, synth = TrainConfig(), SynthConfig()
-    for cfg, fields in ((train, ("schedule", "warmup", "draft_ref")), (synth, ("spec_b",))):
+    for cfg, fields in ((train, ("schedule", "warmup", "average", "draft_ref")), (synth, ("spec_b",))):
         d = cfg.to_dict()
         assert not set(fields) & set(d)
         assert type(cfg).from_dict(d) == cfg

@@ -89,6 +89,14 @@ class Cartridge:
             self.meta,
         )
 
+    def with_trainable(self, leaves: Sequence[torch.Tensor]) -> Cartridge:
+        """A copy whose trainable rows are `leaves` (in `parameters()` order), its frozen rows kept."""
+        out = self.to()
+        with torch.no_grad():
+            for p, x in zip(out.parameters(), leaves, strict=True):
+                p.copy_(x)
+        return out
+
     def split(self, at: int, frozen: int | None = None) -> tuple[Cartridge, Cartridge]:
         """Rows `[0, at)` and `[at, p)` as two parts; each keeps the rotations it has."""
         if not 0 < at < self.p:

@@ -110,6 +110,32 @@ def make_optimizer(cart: Cartridge, lr: float) -> torch.optim.Adam:
     return torch.optim.Adam(cart.parameters(), lr=lr, weight_decay=0.0)
 
 
+class TailAverage:
+    """The uniform mean of the trainable rows over the last `share` of a run's steps (Polyak
+    averaging). At a constant rate the rows after the last step carry that step's noise, which
+    makes a cartridge depend on its training order; their mean over the tail does not."""
+
+    def __init__(self, share: float, total: int) -> None:
+        self.start = total - math.ceil(share * total)  # the first 0-based step averaged
+        self.mean: list[torch.Tensor] | None = None
+
+    def update(self, step: int, cart: Cartridge) -> None:
+        """Fold in the rows as they stand after 0-based `step`."""
+        if step < self.start:
+            return
+        now = [p.detach() for p in cart.parameters()]
+        if self.mean is None:
+            self.mean = [x.clone() for x in now]
+            return
+        n = step - self.start + 1
+        for m, x in zip(self.mean, now, strict=True):
+            m.add_(x - m, alpha=1.0 / n)
+
+    def result(self, cart: Cartridge) -> Cartridge:
+        """`cart` with the mean as its trainable rows (itself when nothing was averaged)."""
+        return cart if self.mean is None else cart.with_trainable(self.mean)
+
+
 def lr_at(step: int, total: int, lr: float, schedule: str = "constant", warmup: float = 0.0) -> float:
     """The rate for 0-based `step` of `total`: linear warm-up over the first `warmup` share of
     steps, then constant or a cosine decay that reaches 0 after the last step. A pure function

@@ -1,0 +1,148 @@
+"""Averaging the cartridge's rows over training, read off one training run per training order.
+
+A 30-minute point's closure moves by about 0.06 with the training order alone (experiments/
+LAB.md): the rows end wherever the last few optimizer steps left them. An average of the
+rows over the last steps (Polyak, or an exponential moving average) is a readout of the same
+trajectory, so every readout here comes from one run per order, and the readouts of one run
+are paired with no training-order noise between them. Each order trains today's recipe
+(`TrainConfig(p=256)`, its other fields the defaults) on a store's own synthesis; the run
+keeps the final rows, the rows after the first epoch, uniform averages over the last
+`--tail` shares of the steps and exponential averages with the `--ema` decays. Every readout
+is scored on the eval document's questions (gold NLL, closure against the bare and
+in-context gold NLLs of the point's record) and paired by question against the final rows,
+per order and pooled over the orders.
+
+Run: `python -m experiments.average --store S --record R.jsonl --orders 7 8 9 [--json]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import torch
+
+from cartridges.core.cartridge import Cartridge, init_cartridge
+from cartridges.core.models import LoadedModel, load_model
+from cartridges.core.train import TailAverage, group_backward, lr_at, make_optimizer, mean_loss
+from cartridges.evaluation.evaluate import Arm, score_arm
+from cartridges.evaluation.qa import read_questions
+from experiments.curve import kept_answers, paired, pooled, question_changes
+from experiments.hidden_match import largest
+from schemas import TrainConfig
+from stages.train import corpus_of, load_examples, schedule
+
+FINAL = "final"
+
+
+class Readouts:
+    """Averages of a cartridge's trainable rows over a run, and snapshots, keyed by readout name."""
+
+    def __init__(self, cart: Cartridge, steps: int, tails: list[float], decays: list[float]) -> None:
+        self.cart, self.steps = cart, steps
+        self.tails = {f"tail{t:g}": TailAverage(t, steps) for t in tails}
+        self.decays = {f"ema{d:g}": d for d in decays}
+        self.emas = {name: self._now() for name in self.decays}
+        self.snapshots: dict[str, list[torch.Tensor]] = {}
+
+    def _now(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.cart.parameters()]
+
+    def after(self, step: int) -> None:
+        """Fold in the rows as they stand after 0-based `step`."""
+        for tail in self.tails.values():
+            tail.update(step, self.cart)
+        now = self._now()
+        for name, d in self.decays.items():
+            self.emas[name] = [d * e + (1 - d) * x for e, x in zip(self.emas[name], now, strict=True)]
+        if step + 1 == self.steps // 2:
+            self.snapshots["epoch1"] = now
+        if step + 1 == self.steps:
+            self.snapshots[FINAL] = now
+
+    def all(self) -> dict[str, list[torch.Tensor]]:
+        means = {name: tail.mean for name, tail in self.tails.items()}
+        return {FINAL: self.snapshots[FINAL], **self.snapshots, **means, **self.emas}
+
+
+def train_order(lm: LoadedModel, text: str, train, config: TrainConfig, tails, decays) -> tuple[Cartridge, Readouts, float]:
+    """One training run of `config` (its `seed` is the order), as `stages.train` trains."""
+    groups = schedule(train, config)
+    cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, ())
+    opt = make_optimizer(cart, config.lr)
+    reads = Readouts(cart, len(groups), tails, decays)
+    for step, group in enumerate(groups):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, len(groups), config.lr, config.schedule, config.warmup)
+        opt.zero_grad(set_to_none=True)
+        group_backward(lm.model, [cart], group, packed=config.pack)
+        opt.step()
+        reads.after(step)
+        if step % 50 == 0:
+            print(f"order {config.seed}: step {step + 1} of {len(groups)}", flush=True)
+    return cart, reads, float(sum(ex.n for ex in train))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", required=True, help="a point's store (experiments.curve run --store ...)")
+    ap.add_argument("--record", required=True, help="that point's record file, for the bare and in-context gold NLLs")
+    ap.add_argument("--qa", default="docs/eval/questions.jsonl")
+    ap.add_argument("--orders", type=int, nargs="+", default=[7, 8], help="training orders (TrainConfig.seed)")
+    ap.add_argument("--tail", type=float, nargs="*", default=[0.1, 0.25, 0.5], help="shares of the last steps averaged")
+    ap.add_argument("--ema", type=float, nargs="*", default=[0.9, 0.97], help="decays of exponential averages")
+    ap.add_argument("--p", type=int, default=256)
+    ap.add_argument("--conversations", type=int, default=0, help="train on the first N conversations only (0: all)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    lm = load_model(None, dtype="float32")
+    store = Path(args.store)
+    train, heldout = load_examples(pq.read_table(largest(store, "synthesize")), pq.read_table(largest(store, "teacher")))
+    train = train[: args.conversations or None]
+    docs = pq.read_table(next(store.glob("ingest/*/"))).to_pylist()
+    text = corpus_of(docs)
+    record = json.loads(Path(args.record).read_text().splitlines()[-1])
+    questions = [q for q in read_questions(args.qa)[0] if q.doc == docs[0]["name"]]
+    kept = kept_answers(record) or {}
+    out: dict = {"store": str(store), "train_conversations": len(train), "orders": {}}
+    golds: dict[int, dict[str, dict]] = {}
+    for order in args.orders:
+        cart, reads, _ = train_order(lm, text, train, TrainConfig(p=args.p, seed=order), args.tail, args.ema)
+        golds[order], out["orders"][order] = {}, {}
+        for name, leaves in reads.all().items():
+            c = cart.with_trainable(leaves)
+            rows = c.detached_rows()
+            scored, _ = score_arm(lm, Arm("cartridge", key=lambda q: "", rows=lambda q: rows),  # noqa: B023
+                                  questions, likelihood_only=True)
+            golds[order][name] = {line: {**kept[line], "cartridge": s.gold_nll}
+                                  for q, s in zip(questions, scored, strict=True) if (line := q.line) in kept}
+            point = golds[order][name]
+            closure = sum(v["bare"] - v["cartridge"] for v in point.values()) / sum(v["bare"] - v["icl"] for v in point.values())
+            out["orders"][order][name] = {"closure": closure, "heldout": mean_loss(lm.model, [c], heldout),
+                                          "accuracy": sum(bool(s.correct) for s in scored) / len(scored)}
+            if name != FINAL:
+                out["orders"][order][name]["paired"] = paired(question_changes(golds[order][FINAL], point))
+            r = out["orders"][order][name]
+            change = f", paired {r['paired']['closure_change']:+.4f}" if "paired" in r else ""
+            print(f"order {order} {name}: closure {closure:.3f}, held-out {r['heldout']:.4f}, "
+                  f"accuracy {r['accuracy']:.1%}{change}", flush=True)
+    out["pooled"] = {}
+    for name in golds[args.orders[0]]:
+        if name == FINAL:
+            continue
+        pool = pooled([question_changes(golds[o][FINAL], golds[o][name]) for o in args.orders], groups=[0] * len(args.orders))
+        out["pooled"][name] = pool | {"closure": sum(out["orders"][o][name]["closure"] for o in args.orders) / len(args.orders)}
+        ci = pool["closure_change_ci"]
+        print(f"pooled {name}: closure {out['pooled'][name]['closure']:.3f}, change {pool['closure_change']:+.4f} "
+              f"({ci[0]:+.4f} to {ci[1]:+.4f})", flush=True)
+    finals = [out["orders"][o][FINAL]["closure"] for o in args.orders]
+    print(f"final rows: closure {', '.join(f'{c:.3f}' for c in finals)} over orders {args.orders}", flush=True)
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

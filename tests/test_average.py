@@ -1,0 +1,35 @@
+"""The averaging experiment's readouts of one run, against sums taken by hand over the same rows."""
+
+from __future__ import annotations
+
+import torch
+
+from cartridges.core.cartridge import Cartridge
+from experiments.average import FINAL, Readouts
+
+
+def test_readouts_are_the_snapshots_the_tail_means_and_the_exponential_averages():
+    gen = torch.Generator().manual_seed(0)
+    cart = Cartridge([torch.randn(2, 5, 4, generator=gen)], [torch.randn(2, 5, 4, generator=gen)], frozen=1)
+    steps = 10
+    start = [p.detach().clone() for p in cart.parameters()]
+    reads = Readouts(cart, steps, tails=[0.25, 0.5], decays=[0.9])
+    seen = []
+    for step in range(steps):
+        with torch.no_grad():
+            for p in cart.parameters():
+                p.add_(torch.randn(p.shape, generator=gen))
+        seen.append([p.detach().clone() for p in cart.parameters()])
+        reads.after(step)
+    got = reads.all()
+    assert list(got)[0] == FINAL
+    assert set(got) == {FINAL, "epoch1", "tail0.25", "tail0.5", "ema0.9"}
+    for i in range(2):  # keys, then values
+        assert torch.equal(got[FINAL][i], seen[-1][i])
+        assert torch.equal(got["epoch1"][i], seen[4][i])
+        torch.testing.assert_close(got["tail0.25"][i], torch.stack([s[i] for s in seen[7:]]).mean(0))  # ceil(2.5) steps
+        torch.testing.assert_close(got["tail0.5"][i], torch.stack([s[i] for s in seen[5:]]).mean(0))
+        ema = start[i]
+        for s in seen:
+            ema = 0.9 * ema + 0.1 * s[i]
+        torch.testing.assert_close(got["ema0.9"][i], ema)
