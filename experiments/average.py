@@ -26,6 +26,7 @@ import torch
 
 from cartridges.core.cartridge import Cartridge, init_cartridge
 from cartridges.core.models import LoadedModel, load_model
+from cartridges.core.speed import choose_threads
 from cartridges.core.train import TailAverage, group_backward, lr_at, make_optimizer, mean_loss
 from cartridges.evaluation.evaluate import Arm, score_arm
 from cartridges.evaluation.qa import read_questions
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
+    choose_threads()  # the cores free now, or CARTRIDGES_THREADS, as the CLI's commands do
     lm = load_model(None, dtype="float32")
     store = Path(args.store)
     train, heldout = load_examples(pq.read_table(largest(store, "synthesize")), pq.read_table(largest(store, "teacher")))

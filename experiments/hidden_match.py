@@ -27,6 +27,7 @@ from cartridges.core.cartridge import compose_rows, init_cartridge
 from cartridges.core.loss import sparse_distill
 from cartridges.core.models import LoadedModel, backbone, cache_keyword, load_model
 from cartridges.core.prefix import PrefixCache, attention_masks, layout
+from cartridges.core.speed import choose_threads
 from cartridges.core.train import Example, make_optimizer, mean_loss, pad_topk
 from cartridges.evaluation.evaluate import Arm, score_arm
 from cartridges.evaluation.qa import read_questions
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
+    choose_threads()  # the cores free now, or CARTRIDGES_THREADS, as the CLI's commands do
     lm = load_model(None, dtype="float32")
     store = Path(args.store)
     convs = pq.read_table(largest(store, "synthesize"))
