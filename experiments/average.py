@@ -7,7 +7,8 @@ trajectory, so every readout here comes from one run per order, and the readouts
 are paired with no training-order noise between them. Each order trains today's recipe
 (`TrainConfig(p=256)`, its other fields the defaults) on a store's own synthesis; the run
 keeps the final rows, the rows after the first epoch, uniform averages over the last
-`--tail` shares of the steps and exponential averages with the `--ema` decays. Every readout
+`--tail` shares of the steps (of all of them, and of the first epoch's: the first epoch is
+an `--epochs 1` run) and exponential averages with the `--ema` decays. Every readout
 is scored on the eval document's questions (gold NLL, closure against the bare and
 in-context gold NLLs of the point's record) and paired by question against the final rows,
 per order and pooled over the orders.
@@ -44,6 +45,8 @@ class Readouts:
     def __init__(self, cart: Cartridge, steps: int, tails: list[float], decays: list[float]) -> None:
         self.cart, self.steps = cart, steps
         self.tails = {f"tail{t:g}": TailAverage(t, steps) for t in tails}
+        # the first epoch is the whole of an `--epochs 1` run with the same seed (stages.train.schedule)
+        self.first = {f"epoch1_tail{t:g}": TailAverage(t, steps // 2) for t in tails}
         self.decays = {f"ema{d:g}": d for d in decays}
         self.emas = {name: self._now() for name in self.decays}
         self.snapshots: dict[str, list[torch.Tensor]] = {}
@@ -55,6 +58,9 @@ class Readouts:
         """Fold in the rows as they stand after 0-based `step`."""
         for tail in self.tails.values():
             tail.update(step, self.cart)
+        if step < self.steps // 2:
+            for tail in self.first.values():
+                tail.update(step, self.cart)
         now = self._now()
         for name, d in self.decays.items():
             self.emas[name] = [d * e + (1 - d) * x for e, x in zip(self.emas[name], now, strict=True)]
@@ -64,7 +70,7 @@ class Readouts:
             self.snapshots[FINAL] = now
 
     def all(self) -> dict[str, list[torch.Tensor]]:
-        means = {name: tail.mean for name, tail in self.tails.items()}
+        means = {name: tail.mean for name, tail in (self.tails | self.first).items()}
         return {FINAL: self.snapshots[FINAL], **self.snapshots, **means, **self.emas}
 
 

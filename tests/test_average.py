@@ -23,12 +23,14 @@ def test_readouts_are_the_snapshots_the_tail_means_and_the_exponential_averages(
         reads.after(step)
     got = reads.all()
     assert list(got)[0] == FINAL
-    assert set(got) == {FINAL, "epoch1", "tail0.25", "tail0.5", "ema0.9"}
+    assert set(got) == {FINAL, "epoch1", "tail0.25", "tail0.5", "epoch1_tail0.25", "epoch1_tail0.5", "ema0.9"}
     for i in range(2):  # keys, then values
         assert torch.equal(got[FINAL][i], seen[-1][i])
         assert torch.equal(got["epoch1"][i], seen[4][i])
         torch.testing.assert_close(got["tail0.25"][i], torch.stack([s[i] for s in seen[7:]]).mean(0))  # ceil(2.5) steps
         torch.testing.assert_close(got["tail0.5"][i], torch.stack([s[i] for s in seen[5:]]).mean(0))
+        torch.testing.assert_close(got["epoch1_tail0.5"][i], torch.stack([s[i] for s in seen[2:5]]).mean(0))  # ceil(2.5)
+        torch.testing.assert_close(got["epoch1_tail0.25"][i], torch.stack([s[i] for s in seen[3:5]]).mean(0))
         ema = start[i]
         for s in seen:
             ema = 0.9 * ema + 0.1 * s[i]
