@@ -42,11 +42,12 @@ FINAL = "final"
 class Readouts:
     """Averages of a cartridge's trainable rows over a run, and snapshots, keyed by readout name."""
 
-    def __init__(self, cart: Cartridge, steps: int, tails: list[float], decays: list[float]) -> None:
+    def __init__(self, cart: Cartridge, steps: int, tails: list[float], decays: list[float], epochs: int = 2) -> None:
         self.cart, self.steps = cart, steps
+        self.epoch = steps // epochs if epochs > 1 else 0  # the first epoch's steps (none of its own in a 1-epoch run)
         self.tails = {f"tail{t:g}": TailAverage(t, steps) for t in tails}
         # the first epoch is the whole of an `--epochs 1` run with the same seed (stages.train.schedule)
-        self.first = {f"epoch1_tail{t:g}": TailAverage(t, steps // 2) for t in tails}
+        self.first = {f"epoch1_tail{t:g}": TailAverage(t, self.epoch) for t in tails} if self.epoch else {}
         self.decays = {f"ema{d:g}": d for d in decays}
         self.emas = {name: self._now() for name in self.decays}
         self.snapshots: dict[str, list[torch.Tensor]] = {}
@@ -58,13 +59,13 @@ class Readouts:
         """Fold in the rows as they stand after 0-based `step`."""
         for tail in self.tails.values():
             tail.update(step, self.cart)
-        if step < self.steps // 2:
+        if step < self.epoch:
             for tail in self.first.values():
                 tail.update(step, self.cart)
         now = self._now()
         for name, d in self.decays.items():
             self.emas[name] = [d * e + (1 - d) * x for e, x in zip(self.emas[name], now, strict=True)]
-        if step + 1 == self.steps // 2:
+        if step + 1 == self.epoch:
             self.snapshots["epoch1"] = now
         if step + 1 == self.steps:
             self.snapshots[FINAL] = now
@@ -79,7 +80,7 @@ def train_order(lm: LoadedModel, text: str, train, config: TrainConfig, tails, d
     groups = schedule(train, config)
     cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, ())
     opt = make_optimizer(cart, config.lr)
-    reads = Readouts(cart, len(groups), tails, decays)
+    reads = Readouts(cart, len(groups), tails, decays, config.epochs)
     for step, group in enumerate(groups):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, len(groups), config.lr, config.schedule, config.warmup)
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--tail", type=float, nargs="*", default=[0.1, 0.25, 0.5], help="shares of the last steps averaged")
     ap.add_argument("--ema", type=float, nargs="*", default=[0.9, 0.97], help="decays of exponential averages")
     ap.add_argument("--p", type=int, default=256)
+    ap.add_argument("--epochs", type=int, default=2, help="passes over the conversations (today's recipe: 2)")
     ap.add_argument("--conversations", type=int, default=0, help="train on the first N conversations only (0: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -118,7 +120,7 @@ def main() -> None:
     out: dict = {"store": str(store), "train_conversations": len(train), "orders": {}}
     golds: dict[int, dict[str, dict]] = {}
     for order in args.orders:
-        cart, reads, _ = train_order(lm, text, train, TrainConfig(p=args.p, seed=order), args.tail, args.ema)
+        cart, reads, _ = train_order(lm, text, train, TrainConfig(p=args.p, seed=order, epochs=args.epochs), args.tail, args.ema)
         golds[order], out["orders"][order] = {}, {}
         for name, leaves in reads.all().items():
             c = cart.with_trainable(leaves)
@@ -148,7 +150,9 @@ def main() -> None:
               f"({ci[0]:+.4f} to {ci[1]:+.4f})", flush=True)
     finals = [out["orders"][o][FINAL]["closure"] for o in args.orders]
     print(f"final rows: closure {', '.join(f'{c:.3f}' for c in finals)} over orders {args.orders}", flush=True)
-    if args.json:
+    if args.json:  # with each readout's gold NLL by question line, to pair it against other runs
+        out["gold_nll"] = {o: {name: {line: v["cartridge"] for line, v in point.items()} for name, point in by.items()}
+                           for o, by in golds.items()}
         print(json.dumps(out))
 
 

@@ -35,3 +35,16 @@ def test_readouts_are_the_snapshots_the_tail_means_and_the_exponential_averages(
         for s in seen:
             ema = 0.9 * ema + 0.1 * s[i]
         torch.testing.assert_close(got["ema0.9"][i], ema)
+
+
+def test_a_one_epoch_run_has_no_first_epoch_readouts():
+    cart = Cartridge([torch.zeros(1, 3, 2)], [torch.zeros(1, 3, 2)], frozen=1)
+    reads = Readouts(cart, 4, tails=[0.5], decays=[], epochs=1)
+    for step in range(4):
+        with torch.no_grad():
+            for p in cart.parameters():
+                p.fill_(step)
+        reads.after(step)
+    got = reads.all()
+    assert set(got) == {FINAL, "tail0.5"}
+    assert float(got["tail0.5"][0].mean()) == 2.5 and float(got[FINAL][0].mean()) == 3.0
