@@ -13,13 +13,16 @@ is scored on the eval document's questions (gold NLL, closure against the bare a
 in-context gold NLLs of the point's record) and paired by question against the final rows,
 per order and pooled over the orders.
 
-Run: `python -m experiments.average --store S --record R.jsonl --orders 7 8 9 [--json]`.
+Run: `python -m experiments.average --store S --record R.jsonl --orders 7 8 9 [--json]`;
+`python -m experiments.average pair --record R.jsonl --base SPEC... --other SPEC...` pairs
+readouts of different runs (another synthesis, another epoch count) by question.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -93,7 +96,51 @@ def train_order(lm: LoadedModel, text: str, train, config: TrainConfig, tails, d
     return cart, reads, float(sum(ex.n for ex in train))
 
 
+def readout_golds(spec: str) -> dict[int, float]:
+    """Gold NLL by question line of `FILE:ORDER:READOUT` (the last line of a `--json` output
+    of this module), or of `FILE` alone (an `experiments.curve` record: its point's cartridge)."""
+    path, *rest = spec.split(":")
+    last = json.loads(Path(path).read_text().splitlines()[-1])
+    if not rest:
+        return {line: v["cartridge"] for line, v in (kept_answers(last) or {}).items()}
+    order, name = rest
+    return {int(line): gold for line, gold in last["gold_nll"][order][name].items()}
+
+
+def pair_main(argv: list[str]) -> None:
+    """`pair`: readouts of different runs (another synthesis, another epoch count) paired by
+    question, pair by pair, and pooled over the pairs (the same questions: one draw for all)."""
+    ap = argparse.ArgumentParser(prog="python -m experiments.average pair", description=pair_main.__doc__)
+    ap.add_argument("--record", required=True, help="a curve record of the document, for the bare and in-context gold NLLs")
+    ap.add_argument("--base", nargs="+", required=True, help="FILE:ORDER:READOUT or a curve record FILE, one per pair")
+    ap.add_argument("--other", nargs="+", required=True, help="the same, as many as --base")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if len(args.base) != len(args.other):
+        raise SystemExit("average pair: --base and --other need as many readouts each")
+    kept = kept_answers(json.loads(Path(args.record).read_text().splitlines()[-1])) or {}
+
+    def point(spec: str) -> dict[int, dict[str, float]]:
+        gold = readout_golds(spec)
+        return {line: {**kept[line], "cartridge": gold[line]} for line in kept if line in gold}
+
+    changes = [question_changes(point(a), point(b)) for a, b in zip(args.base, args.other, strict=True)]
+    out = {"pairs": [], "pooled": pooled(changes, groups=[0] * len(changes))}
+    for a, b, change in zip(args.base, args.other, changes, strict=True):
+        pair = paired(change)
+        out["pairs"].append({"base": a, "other": b, **pair})
+        lo, hi = pair["closure_change_ci"]
+        print(f"{a} -> {b}: {pair['closure_change']:+.4f} ({lo:+.4f} to {hi:+.4f}), lower on {pair['better']} of "
+              f"{pair['questions']}", flush=True)
+    lo, hi = out["pooled"]["closure_change_ci"]
+    print(f"pooled over {len(changes)}: {out['pooled']['closure_change']:+.4f} ({lo:+.4f} to {hi:+.4f})", flush=True)
+    if args.json:
+        print(json.dumps(out))
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["pair"]:
+        return pair_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--store", required=True, help="a point's store (experiments.curve run --store ...)")
     ap.add_argument("--record", required=True, help="that point's record file, for the bare and in-context gold NLLs")

@@ -48,3 +48,25 @@ def test_a_one_epoch_run_has_no_first_epoch_readouts():
     got = reads.all()
     assert set(got) == {FINAL, "tail0.5"}
     assert float(got["tail0.5"][0].mean()) == 2.5 and float(got[FINAL][0].mean()) == 3.0
+
+
+def test_pair_reads_runs_and_records_and_gives_the_closure_change_by_hand(tmp_path, capsys):
+    import json
+
+    from experiments.average import pair_main
+
+    lines = range(1, 9)
+    bare, icl = {n: 5.0 + n for n in lines}, {n: 2.0 + n / 2 for n in lines}
+    record = {"gold_nll_by_line": {str(n): {"bare": bare[n], "icl": icl[n], "cartridge": 4.0 + n} for n in lines}}
+    (tmp_path / "r.jsonl").write_text("{}\n" + json.dumps(record) + "\n")  # the last line is the record
+    run = {"gold_nll": {"8": {"tail0.5": {str(n): 3.5 + n + (0.2 if n % 2 else 0.0) for n in lines}}}}
+    (tmp_path / "a.jsonl").write_text("progress\n" + json.dumps(run) + "\n")
+    pair_main(["--record", str(tmp_path / "r.jsonl"), "--base", str(tmp_path / "r.jsonl"),
+               "--other", f"{tmp_path / 'a.jsonl'}:8:tail0.5", "--json"])
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    diff = [(3.5 + n + (0.2 if n % 2 else 0.0)) - (4.0 + n) for n in lines]
+    gap = sum(bare[n] - icl[n] for n in lines) / len(lines)
+    want = -sum(diff) / len(diff) / gap
+    assert abs(out["pairs"][0]["closure_change"] - want) < 1e-12
+    assert abs(out["pooled"]["closure_change"] - want) < 1e-12
+    assert out["pairs"][0]["better"] == 8
