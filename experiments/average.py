@@ -25,19 +25,17 @@ import json
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 
 from cartridges.core.cartridge import Cartridge, init_cartridge
-from cartridges.core.models import LoadedModel, load_model
-from cartridges.core.speed import choose_threads
+from cartridges.core.models import LoadedModel
 from cartridges.core.train import TailAverage, group_backward, lr_at, make_optimizer, mean_loss
 from cartridges.evaluation.evaluate import Arm, score_arm
 from cartridges.evaluation.qa import read_questions
 from experiments.curve import kept_answers, paired, pooled, question_changes
-from experiments.hidden_match import largest
+from experiments.hidden_match import open_point
 from schemas import TrainConfig
-from stages.train import corpus_of, load_examples, schedule
+from stages.train import corpus_of, schedule
 
 FINAL = "final"
 
@@ -153,13 +151,9 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=0, help="train on the first N conversations only (0: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    choose_threads()  # the cores free now, or CARTRIDGES_THREADS, as the CLI's commands do
-    lm = load_model(None, dtype="float32")
     store = Path(args.store)
-    train, heldout = load_examples(pq.read_table(largest(store, "synthesize")), pq.read_table(largest(store, "teacher")))
+    lm, _, train, heldout, docs = open_point(store)
     train = train[: args.conversations or None]
-    docs = pq.read_table(next(store.glob("ingest/*/"))).to_pylist()
     text = corpus_of(docs)
     record = json.loads(Path(args.record).read_text().splitlines()[-1])
     questions = [q for q in read_questions(args.qa)[0] if q.doc == docs[0]["name"]]

@@ -40,6 +40,17 @@ def largest(store: Path, stage: str) -> Path:
     return max(store.glob(f"{stage}/*/"), key=lambda a: sum(pq.read_metadata(f).num_rows for f in a.glob("*.parquet")))
 
 
+def open_point(store: Path):
+    """The default model in float32, on the cores free now (or CARTRIDGES_THREADS, as the CLI's
+    commands run), and the point's conversations, training and held-out examples and documents."""
+    torch.manual_seed(0)
+    choose_threads()
+    lm = load_model(None, dtype="float32")
+    convs = pq.read_table(largest(store, "synthesize"))
+    train, heldout = load_examples(convs, pq.read_table(largest(store, "teacher")))
+    return lm, convs, train, heldout, pq.read_table(next(store.glob("ingest/*/"))).to_pylist()
+
+
 def hidden_states(lm: LoadedModel, ids: list[int], rows=None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Final hidden states `[L, D]` and every layer's `[L, D]` of `ids` behind `rows` (none: alone)."""
     model = backbone(lm.model)
@@ -96,14 +107,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    choose_threads()  # the cores free now, or CARTRIDGES_THREADS, as the CLI's commands do
-    lm = load_model(None, dtype="float32")
     store = Path(args.store)
-    convs = pq.read_table(largest(store, "synthesize"))
-    train, heldout = load_examples(convs, pq.read_table(largest(store, "teacher")))
+    lm, convs, train, heldout, docs = open_point(store)
     teacher = {c["conv_id"]: (c["teacher_ids"], len(c["teacher_ids"]) - len(c["student_ids"])) for c in convs.to_pylist()}
-    doc = pq.read_table(next(store.glob("ingest/*/"))).to_pylist()[0]
+    doc = docs[0]
     record = json.loads(Path(args.record).read_text().splitlines()[-1])
     questions = [q for q in read_questions(args.qa)[0] if q.doc == doc["name"]]
     order = list(train)
