@@ -32,7 +32,14 @@ from cartridges.core.models import LoadedModel
 from cartridges.core.train import TailAverage, group_backward, lr_at, make_optimizer, mean_loss
 from cartridges.evaluation.evaluate import Arm, score_arm
 from cartridges.evaluation.qa import read_questions
-from experiments.curve import kept_answers, paired, pooled, question_changes
+from experiments.curve import (
+    kept_answers,
+    paired,
+    point_closure,
+    pooled,
+    question_changes,
+    with_cartridge,
+)
 from experiments.hidden_match import open_point
 from schemas import TrainConfig
 from stages.train import corpus_of, schedule
@@ -76,7 +83,7 @@ class Readouts:
         return {FINAL: self.snapshots[FINAL], **self.snapshots, **means, **self.emas}
 
 
-def train_order(lm: LoadedModel, text: str, train, config: TrainConfig, tails, decays) -> tuple[Cartridge, Readouts, float]:
+def train_order(lm: LoadedModel, text: str, train, config: TrainConfig, tails, decays) -> tuple[Cartridge, Readouts]:
     """One training run of `config` (its `seed` is the order), as `stages.train` trains."""
     groups = schedule(train, config)
     cart = init_cartridge(lm, text, config.init, config.p, config.frozen, config.seed, ())
@@ -91,7 +98,7 @@ def train_order(lm: LoadedModel, text: str, train, config: TrainConfig, tails, d
         reads.after(step)
         if step % 50 == 0:
             print(f"order {config.seed}: step {step + 1} of {len(groups)}", flush=True)
-    return cart, reads, float(sum(ex.n for ex in train))
+    return cart, reads
 
 
 def readout_golds(spec: str) -> dict[int, float]:
@@ -118,11 +125,8 @@ def pair_main(argv: list[str]) -> None:
         raise SystemExit("average pair: --base and --other need as many readouts each")
     kept = kept_answers(json.loads(Path(args.record).read_text().splitlines()[-1])) or {}
 
-    def point(spec: str) -> dict[int, dict[str, float]]:
-        gold = readout_golds(spec)
-        return {line: {**kept[line], "cartridge": gold[line]} for line in kept if line in gold}
-
-    changes = [question_changes(point(a), point(b)) for a, b in zip(args.base, args.other, strict=True)]
+    changes = [question_changes(with_cartridge(kept, readout_golds(a)), with_cartridge(kept, readout_golds(b)))
+               for a, b in zip(args.base, args.other, strict=True)]
     out = {"pairs": [], "pooled": pooled(changes, groups=[0] * len(changes))}
     for a, b, change in zip(args.base, args.other, changes, strict=True):
         pair = paired(change)
@@ -161,17 +165,15 @@ def main() -> None:
     out: dict = {"store": str(store), "train_conversations": len(train), "orders": {}}
     golds: dict[int, dict[str, dict]] = {}
     for order in args.orders:
-        cart, reads, _ = train_order(lm, text, train, TrainConfig(p=args.p, seed=order, epochs=args.epochs), args.tail, args.ema)
+        cart, reads = train_order(lm, text, train, TrainConfig(p=args.p, seed=order, epochs=args.epochs), args.tail, args.ema)
         golds[order], out["orders"][order] = {}, {}
         for name, leaves in reads.all().items():
             c = cart.with_trainable(leaves)
             rows = c.detached_rows()
             scored, _ = score_arm(lm, Arm("cartridge", key=lambda q: "", rows=lambda q: rows),  # noqa: B023
                                   questions, likelihood_only=True)
-            golds[order][name] = {line: {**kept[line], "cartridge": s.gold_nll}
-                                  for q, s in zip(questions, scored, strict=True) if (line := q.line) in kept}
-            point = golds[order][name]
-            closure = sum(v["bare"] - v["cartridge"] for v in point.values()) / sum(v["bare"] - v["icl"] for v in point.values())
+            point = golds[order][name] = with_cartridge(kept, {q.line: s.gold_nll for q, s in zip(questions, scored, strict=True)})
+            closure = point_closure(point)
             out["orders"][order][name] = {"closure": closure, "heldout": mean_loss(lm.model, [c], heldout),
                                           "accuracy": sum(bool(s.correct) for s in scored) / len(scored)}
             if name != FINAL:

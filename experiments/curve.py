@@ -641,6 +641,19 @@ def per_question(record: dict, eval_store: Path, field: str = "gold_nll") -> dic
 Changes = tuple[list[int], "np.ndarray", float]
 
 
+def with_cartridge(kept: dict[int, dict[str, float]], gold: dict[int, float]) -> dict[int, dict[str, float]]:
+    """A point from a record's kept answers (bare, ICL) and another cartridge's gold NLL by
+    question line, over the lines both have: what the studies that retrain on a point's
+    synthesis score and pair."""
+    return {line: {**kept[line], "cartridge": gold[line]} for line in kept if line in gold}
+
+
+def point_closure(point: dict[int, dict[str, float]]) -> float:
+    """The cartridge's gold-NLL closure over a point's questions: its share of the summed
+    bare-to-ICL gap."""
+    return sum(v["bare"] - v["cartridge"] for v in point.values()) / sum(v["bare"] - v["icl"] for v in point.values())
+
+
 def question_changes(a: dict[int, dict[str, float]], b: dict[int, dict[str, float]]) -> Changes:
     """The questions both points scored, the cartridge's gold-NLL change on each from a to b, and
     a's mean bare-to-ICL gap over them."""

@@ -31,7 +31,7 @@ from cartridges.core.speed import choose_threads
 from cartridges.core.train import Example, make_optimizer, mean_loss, pad_topk
 from cartridges.evaluation.evaluate import Arm, score_arm
 from cartridges.evaluation.qa import read_questions
-from experiments.curve import kept_answers, paired, question_changes
+from experiments.curve import kept_answers, paired, point_closure, question_changes, with_cartridge
 from stages.train import load_examples
 
 
@@ -124,20 +124,15 @@ def main() -> None:
                               questions, likelihood_only=True)
         arms[lam] = {"train_s": seconds, "heldout": mean_loss(lm.model, [cart], heldout),
                      "accuracy": sum(bool(s.correct) for s in scored) / len(scored),
-                     "gold": {str(q.line): s.gold_nll for q, s in zip(questions, scored, strict=True)}}
+                     "gold": {q.line: s.gold_nll for q, s in zip(questions, scored, strict=True)}}
         print(f"lam {lam}: train {seconds:.0f} s, held-out {arms[lam]['heldout']:.4f}, "
               f"accuracy {arms[lam]['accuracy']:.1%}", flush=True)
     kept = kept_answers(record) or {}
-
-    def point(gold: dict[str, float]) -> dict[int, dict[str, float]]:
-        return {line: {**kept[line], "cartridge": gold[str(line)]} for line in kept if str(line) in gold}
-
-    base = point(arms[args.lam[0]]["gold"])
+    base = with_cartridge(kept, arms[args.lam[0]]["gold"])
     out = {"store": str(store), "conversations": len(order), "arms": {}}
     for lam, arm in arms.items():
-        mine = point(arm["gold"])
-        gaps = [v["bare"] - v["icl"] for v in mine.values()]
-        closure = sum(v["bare"] - v["cartridge"] for v in mine.values()) / sum(gaps)
+        mine = with_cartridge(kept, arm["gold"])
+        closure = point_closure(mine)
         pair = paired(question_changes(base, mine)) if lam != args.lam[0] else {}
         out["arms"][str(lam)] = {k: v for k, v in arm.items() if k != "gold"} | {"closure": closure, "paired": pair}
         change = (f", paired {pair['closure_change']:+.4f} ({pair['closure_change_ci'][0]:+.4f} to "
